@@ -1,0 +1,45 @@
+# ShardRL developer commands. `make run` and `make test` create .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/demo.yaml
+EXTRAS ?= dev
+
+.PHONY: help venv run test test-fast lint bench pipeline-compile pipeline-run images clean
+
+help:
+	@echo "make run               run the demo pipeline end to end on CPU (snapshot -> RL -> eval -> promote)"
+	@echo "make test              run the test suite"
+	@echo "make test-fast         run the tests not marked slow"
+	@echo "make lint              ruff"
+	@echo "make bench             benchmarks -> bench/results.json, bench/RESULTS.md"
+	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
+	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset"
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/shardrl run $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench pipelines components
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

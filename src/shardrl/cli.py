@@ -1,0 +1,113 @@
+"""`shardrl` command line. Arguments are parsed before any heavy import, so --help is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+STAGE_CHOICES = ("snapshot", "rollout", "score", "prepare", "learn", "evaluate", "promote")
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set learner.lr=1e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardrl",
+        description="Asynchronous RL fine-tuning of language models as a pipeline of stages.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cfg = sub.add_parser("config", help="show or validate a run config")
+    cfg_sub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = cfg_sub.add_parser("show", help="print the resolved config (presets and overrides merged)")
+    show.add_argument("file", help="config file or preset name")
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    _add_overrides(show)
+    val = cfg_sub.add_parser("validate", help="exit non-zero and list every error by field path")
+    val.add_argument("files", nargs="+", help="config files or preset names")
+    _add_overrides(val)
+
+    run = sub.add_parser("run", help="run the whole pipeline locally (stages as subprocesses)")
+    run.add_argument("config", nargs="?", help="config file or preset name")
+    run.add_argument("--run-id", help="run id (default: derived from the config name and time)")
+    run.add_argument("--store", help="store URI overriding store.uri (folder or s3://bucket/prefix)")
+    run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from the store")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    _add_overrides(run)
+
+    st = sub.add_parser("stage", help="run one stage (what a pod or the local runner executes)")
+    st.add_argument("name", choices=STAGE_CHOICES)
+    st.add_argument("--config", required=True, help="config file, preset name, or inline YAML")
+    st.add_argument("--run-id", required=True)
+    st.add_argument("--store", help="store URI overriding store.uri")
+    st.add_argument("--worker", type=int, default=0, help="replica index (0-based)")
+    st.add_argument("--workers", type=int, default=1, help="number of replicas")
+    _add_overrides(st)
+
+    pl = sub.add_parser("pipeline", help="compile or submit the Kubeflow pipelines")
+    pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    comp = pl_sub.add_parser("compile", help="write the pipeline IR YAML")
+    comp.add_argument("--out-dir", default="build/pipelines")
+    comp.add_argument("--kubernetes-manifest-format", action="store_true",
+                      help="also write Kubernetes-manifest form")
+    comp.add_argument("--image-registry", help="override the image registry")
+    comp.add_argument("--image-tag", help="override the image tag (default: package version)")
+    sub_run = pl_sub.add_parser("run", help="submit to KFP_HOST, or run locally when it is unset")
+    sub_run.add_argument("config", help="config file or preset name")
+    sub_run.add_argument("--experiment", default="shardrl")
+    sub_run.add_argument("--pipeline", default="shardrl", choices=("shardrl", "shardrl-sync"))
+    sub_run.add_argument("--wait", action="store_true", help="wait and fail if the run fails")
+
+    doc = sub.add_parser("doctor", help="diagnose a run from its metrics")
+    doc.add_argument("run", help="run id (in the store) or MLflow run id")
+    doc.add_argument("--store", help="store URI (default: store.uri of the run's config)")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+
+    rep = sub.add_parser("report", help="plots, findings and the scaling-curve fit of a run")
+    rep.add_argument("run", help="run id")
+    rep.add_argument("--store", help="store URI")
+    rep.add_argument("--out", help="output folder (default: the run's report/ folder)")
+    rep.add_argument("--fit", action="store_true", help="print the compute->performance fit only")
+
+    smp = sub.add_parser("samples", help="audit generated samples of a run")
+    smp.add_argument("run", help="run id")
+    smp.add_argument("--store", help="store URI")
+    smp.add_argument("--version", type=int, help="policy version (default: latest with data)")
+    order = smp.add_mutually_exclusive_group()
+    order.add_argument("--worst", action="store_true")
+    order.add_argument("--best", action="store_true")
+    order.add_argument("--random", action="store_true")
+    smp.add_argument("-n", type=int, default=10, help="rows to show")
+    return parser
+
+
+# command -> module with `run(args) -> int`; imported only after parsing
+_HANDLERS = {
+    "config": "shardrl.commands.config_cmd",
+    "run": "shardrl.orchestrate.local",
+    "stage": "shardrl.stages",
+    "pipeline": "shardrl.commands.pipeline_cmd",
+    "doctor": "shardrl.doctor.cli",
+    "report": "shardrl.doctor.report",
+    "samples": "shardrl.doctor.samples",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        module = importlib.import_module(_HANDLERS[args.command])
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("shardrl"):
+            print(f"shardrl {args.command}: not available in this version yet", file=sys.stderr)
+            return 2
+        raise
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Command implementations behind the CLI (imported after argument parsing)."""

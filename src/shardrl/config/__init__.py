@@ -1,0 +1,25 @@
+"""Typed run configuration (pydantic v2). Importable without torch or transformers."""
+
+from .loader import (
+    ConfigError,
+    FieldError,
+    apply_override,
+    deep_merge,
+    load_config,
+    load_raw,
+    preset_names,
+    validate,
+)
+from .run import RunConfig
+
+__all__ = [
+    "ConfigError",
+    "FieldError",
+    "RunConfig",
+    "apply_override",
+    "deep_merge",
+    "load_config",
+    "load_raw",
+    "preset_names",
+    "validate",
+]

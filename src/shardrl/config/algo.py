@@ -1,0 +1,204 @@
+"""Algorithm settings: surrogate loss, aggregation, advantages, KL, shaping, filters."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from .base import Section
+
+
+class CISPOLoss(Section):
+    """CISPO: REINFORCE with a stop-gradient, truncated importance weight (MiniMax-M1, ScaleRL)."""
+
+    kind: Literal["cispo"] = "cispo"
+    max_ratio: float = Field(4.0, gt=1.0, le=1000.0)
+    """Upper cap on the CISPO importance weight."""
+    min_ratio: float | None = Field(None, ge=0.0, lt=1.0)
+    """Optional lower cap on the importance weight."""
+
+
+class PPOLoss(Section):
+    """PPO clipped surrogate with asymmetric clipping and optional dual clip."""
+
+    kind: Literal["ppo"] = "ppo"
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip: ratio >= 1 - eps_low."""
+    eps_high: float = Field(0.2, gt=0.0, le=10.0)
+    """Upper clip: ratio <= 1 + eps_high."""
+    dual_clip: float | None = Field(None, gt=1.0, le=100.0)
+    """Dual-clip constant c for negative advantages."""
+
+
+class GSPOLoss(Section):
+    """GSPO: PPO clipping on the sequence-level (length-normalised) ratio."""
+
+    kind: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    """Lower clip on the sequence ratio."""
+    eps_high: float = Field(4e-4, gt=0.0, le=10.0)
+    """Upper clip on the sequence ratio."""
+
+
+PolicyLoss = Annotated[CISPOLoss | PPOLoss | GSPOLoss, Field(discriminator="kind")]
+
+
+class GroupAdvantages(Section):
+    """Group-relative advantages r - mean(group)."""
+
+    estimator: Literal["group"] = "group"
+    norm: Literal["none", "batch", "prompt"] = "batch"
+    """Divide by nothing, the batch std, or the group's std."""
+
+
+class GAEAdvantages(Section):
+    """Generalised advantage estimation with a learned critic."""
+
+    estimator: Literal["gae"] = "gae"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    whiten: bool = True
+    """Whiten advantages over the batch's response tokens."""
+
+
+Advantages = Annotated[GroupAdvantages | GAEAdvantages, Field(discriminator="estimator")]
+
+
+class FixedKL(Section):
+    """Constant KL coefficient."""
+
+    kind: Literal["fixed"] = "fixed"
+    beta: float = Field(0.01, ge=0.0, le=100.0)
+    """KL coefficient."""
+
+
+class AdaptiveKL(Section):
+    """Ziegler et al. 2019 proportional controller."""
+
+    kind: Literal["adaptive"] = "adaptive"
+    init_beta: float = Field(0.05, gt=0.0, le=100.0)
+    """Starting coefficient."""
+    target: float = Field(6.0, gt=0.0, le=1000.0)
+    """Target sequence KL (kl_sum)."""
+    horizon: int = Field(10000, ge=1, le=10_000_000)
+    """Samples over which the error is corrected."""
+
+
+class ExpKL(Section):
+    """Exponential controller: beta *= exp((kl - target) / target * rate)."""
+
+    kind: Literal["exp"] = "exp"
+    init_beta: float = Field(0.05, gt=0.0, le=100.0)
+    """Starting coefficient."""
+    target: float = Field(6.0, gt=0.0, le=1000.0)
+    """Target sequence KL (kl_sum)."""
+    rate: float = Field(0.1, gt=0.0, le=10.0)
+    """Adaptation rate."""
+
+
+KLController = Annotated[FixedKL | AdaptiveKL | ExpKL, Field(discriminator="kind")]
+
+
+class KLConfig(Section):
+    """KL regularisation towards the frozen reference."""
+
+    placement: Literal["none", "reward", "loss"] = "none"
+    """'reward': r - beta*KL per sequence; 'loss': a KL term added to the loss; 'none': off."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(policy || reference)."""
+    controller: KLController = FixedKL()
+    """How beta is chosen."""
+
+
+class RewardShaping(Section):
+    """reward_total = alpha * clip(normalize(reward_rm)) - beta * kl (KL never normalised)."""
+
+    normalize: bool = False
+    """Running mean/std normalisation of the raw reward."""
+    clip: float | None = Field(None, gt=0.0, le=1e6)
+    """Clip the (normalised) reward to +-clip."""
+    clip_before_norm: bool = False
+    """Clip first, then normalise."""
+    alpha: float = Field(1.0, gt=0.0, le=1e6)
+    """Weight of the reward term."""
+
+
+class NoPositiveResampling(Section):
+    """Retire prompts that are already solved from later epochs (ScaleRL)."""
+
+    enabled: bool = False
+    retire_at: float = Field(0.9, gt=0.0, le=1.0)
+    """Pass rate at which a prompt is retired."""
+    window: int = Field(100, ge=1, le=1_000_000)
+    """Samples of a prompt considered."""
+    min_samples: int = Field(8, ge=1, le=1_000_000)
+    """Samples needed before a prompt can retire."""
+
+
+class Filters(Section):
+    """Which samples leave the loss."""
+
+    zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal)."""
+    zero_variance_tol: float = Field(1e-6, ge=0.0, le=1.0)
+    """Population-std tolerance for 'all equal'."""
+    no_positive_resampling: NoPositiveResampling = NoPositiveResampling()
+    """Retire solved prompts."""
+
+
+class CriticConfig(Section):
+    """Value model for GAE: the reference backbone with a scalar head."""
+
+    lr: float = Field(1e-4, gt=0.0, le=1.0)
+    """Critic learning rate."""
+    vf_coef: float = Field(0.5, gt=0.0, le=100.0)
+    """Weight of the value loss."""
+    clip_range: float | None = Field(0.2, gt=0.0, le=1e6)
+    """Value clipping range (None: no clipping)."""
+
+
+class ISCorrection(Section):
+    """Truncated importance sampling between behaviour (generator) and learner logprobs."""
+
+    enabled: bool = False
+    cap: float = Field(2.0, gt=1.0, le=1000.0)
+    """Token weight min(pi_learner_old / pi_behaviour, cap)."""
+
+
+class AlgoConfig(Section):
+    """The learning rule. Surrogate and aggregation are independent choices."""
+
+    loss: PolicyLoss = CISPOLoss()
+    """Policy surrogate."""
+    aggregation: Literal["token", "sample", "prompt"] = "prompt"
+    """How per-token losses become one scalar."""
+    advantages: Advantages = GroupAdvantages()
+    """Advantage estimator."""
+    kl: KLConfig = KLConfig()
+    """KL to the reference."""
+    shaping: RewardShaping = RewardShaping()
+    """Reward normalisation and clipping."""
+    filters: Filters = Filters()
+    """Zero-variance filtering and No-Positive-Resampling."""
+    critic: CriticConfig | None = None
+    """Value model (required by GAE)."""
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """Entropy bonus weight."""
+    is_correction: ISCorrection = ISCorrection()
+    """Behaviour/learner logprob mismatch correction."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> AlgoConfig:
+        if self.advantages.estimator == "gae" and self.critic is None:
+            raise ValueError(
+                "estimator 'gae' needs a critic: set `algo.critic: {}` "
+                "or choose `algo.advantages.estimator: group`"
+            )
+        loss = self.loss
+        if isinstance(loss, CISPOLoss) and loss.min_ratio is not None:
+            if loss.min_ratio >= loss.max_ratio:
+                raise ValueError("`algo.loss.min_ratio` must be below `algo.loss.max_ratio`")
+        return self

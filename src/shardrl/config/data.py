@@ -1,0 +1,108 @@
+"""Task data and reward settings."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from .base import Section
+
+
+class BuiltinTask(Section):
+    """A verifiable task whose prompts are generated in code (no downloads)."""
+
+    kind: Literal["builtin"] = "builtin"
+    name: Literal["arithmetic"] = "arithmetic"
+    """Built-in task name."""
+    heldout_size: int = Field(256, ge=16, le=1_000_000)
+    """Size of the fixed held-out split used by evaluation."""
+    seed: int = Field(0, ge=0)
+    """Seed of the training prompt stream and of the demonstrations."""
+
+
+class DatasetTask(Section):
+    """User data: JSONL or Parquet files with `prompt` and `answer` (optional `category`)."""
+
+    kind: Literal["dataset"] = "dataset"
+    train_path: str = Field(min_length=1)
+    """Training prompts (RL) and demonstrations (SFT)."""
+    eval_path: str = Field(min_length=1)
+    """Held-out prompts for evaluation."""
+    prompt_template: str = "{prompt}"
+    """Python format string applied to each prompt; `{prompt}` is replaced by the row's prompt."""
+
+
+TaskSource = Annotated[BuiltinTask | DatasetTask, Field(discriminator="kind")]
+
+
+class VerifierSpec(Section):
+    """One verifier: a registered name or a dotted path `package.module:function`."""
+
+    name: str = Field("task", min_length=1)
+    """'task' (the task's own checker), 'exact_match', 'numeric', 'math_final_answer',
+    'python_exec', or `package.module:function`."""
+    weight: float = Field(1.0, ge=-100.0, le=100.0)
+    """Weight in the composite reward."""
+    sandboxed: bool = False
+    """Run in a subprocess with CPU, memory and wall-clock limits (always on for python_exec)."""
+
+
+class RewardModelSpec(Section):
+    """A sequence-classification reward model with a single output."""
+
+    path: str = Field(min_length=1)
+    """Model folder (safetensors only)."""
+    weight: float = Field(1.0, ge=-100.0, le=100.0)
+    """Weight of the reward model's score in the composite reward."""
+    batch_size: int = Field(32, ge=1, le=4096)
+    """Texts scored per forward pass."""
+
+
+class OverlongPenalty(Section):
+    """Soft penalty for responses running into the token limit (DAPO's overlong shaping)."""
+
+    buffer_tokens: int = Field(4, ge=1, le=65536)
+    """Penalty ramps linearly over the last `buffer_tokens` before max_new_tokens."""
+    penalty: float = Field(1.0, ge=0.0, le=100.0)
+    """Penalty at the limit."""
+
+
+class SandboxLimits(Section):
+    """Limits for untrusted reward code."""
+
+    cpu_seconds: float = Field(2.0, gt=0.0, le=3600.0)
+    """CPU-time limit per call."""
+    memory_mb: int = Field(512, ge=32, le=1_000_000)
+    """Address-space limit per call."""
+    wall_seconds: float = Field(5.0, gt=0.0, le=3600.0)
+    """Wall-clock limit per call."""
+
+
+class TaskConfig(Section):
+    """Where prompts come from."""
+
+    source: TaskSource = BuiltinTask()
+    """The task."""
+
+
+class RewardConfig(Section):
+    """How a response is scored before shaping."""
+
+    verifiers: list[VerifierSpec] = [VerifierSpec()]
+    """Verifiers summed with their weights."""
+    reward_model: RewardModelSpec | None = None
+    """Optional reward model (RLHF)."""
+    overlong: OverlongPenalty | None = None
+    """Optional overlong penalty."""
+    sandbox: SandboxLimits = SandboxLimits()
+    """Limits for sandboxed verifiers."""
+
+    @model_validator(mode="after")
+    def _something_scores(self) -> RewardConfig:
+        if not self.verifiers and self.reward_model is None:
+            raise ValueError(
+                "nothing produces a reward: add an entry to `reward.verifiers` "
+                "or set `reward.reward_model.path`"
+            )
+        return self

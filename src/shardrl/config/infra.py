@@ -1,0 +1,99 @@
+"""Where things live and run: store, tracking, orchestration, diagnosis thresholds."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Section
+
+
+class RetryConfig(Section):
+    """Bounded exponential backoff for transient store failures."""
+
+    max_attempts: int = Field(8, ge=1, le=1000)
+    """Attempts per operation before the deadline check."""
+    base_delay_s: float = Field(0.2, gt=0.0, le=60.0)
+    """First backoff delay."""
+    max_delay_s: float = Field(5.0, gt=0.0, le=600.0)
+    """Largest backoff delay."""
+    deadline_s: float = Field(120.0, gt=0.0, le=86400.0)
+    """Give up (and fail the stage with a clear message) after this long."""
+
+
+class StoreConfig(Section):
+    """Object store shared by all stages."""
+
+    uri: str = Field("runs", min_length=1)
+    """A folder path or file:// URI (local), or s3://bucket/prefix (credentials from the env)."""
+    retry: RetryConfig = RetryConfig()
+    """Retry policy for transient errors."""
+
+
+class TrackingConfig(Section):
+    """MLflow tracking and registry."""
+
+    enabled: bool = True
+    """Log to MLflow."""
+    uri: str = Field("sqlite:///mlflow.db", min_length=1)
+    """Tracking URI; MLFLOW_TRACKING_URI in the environment wins."""
+    experiment: str = Field("shardrl", min_length=1)
+    """Experiment name."""
+
+
+class Resources(Section):
+    """Kubernetes resources of one stage's pod."""
+
+    cpu: str = Field("1", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
+    """CPU request/limit, e.g. '2' or '500m'."""
+    memory: str = Field("4Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+    """Memory request/limit, e.g. '8Gi'."""
+    gpus: int = Field(0, ge=0, le=64)
+    """GPUs per pod."""
+    gpu_type: str = "nvidia.com/gpu"
+    """Accelerator resource name."""
+
+
+class StageResources(Section):
+    """Resources per stage on the cluster."""
+
+    snapshot: Resources = Resources(cpu="2", memory="8Gi")
+    rollout: Resources = Resources(cpu="2", memory="8Gi")
+    score: Resources = Resources(cpu="1", memory="4Gi")
+    prepare: Resources = Resources(cpu="1", memory="2Gi")
+    learn: Resources = Resources(cpu="2", memory="8Gi")
+    evaluate: Resources = Resources(cpu="1", memory="4Gi")
+    promote: Resources = Resources(cpu="1", memory="2Gi")
+
+
+class PipelineConfig(Section):
+    """How the stages are run (local runner and Kubeflow)."""
+
+    max_restarts: int = Field(3, ge=0, le=100)
+    """Restarts of a crashed looping stage (local runner) / retries (Kubeflow)."""
+    stage_timeout_s: int = Field(86400, ge=60, le=30 * 86400)
+    """Wall-clock limit of one stage."""
+    image_registry: str = "ghcr.io/shardrl"
+    """Registry of the stage images (tags come from the package version)."""
+    resources: StageResources = StageResources()
+    """Per-stage resources on the cluster."""
+
+
+class DoctorConfig(Section):
+    """Thresholds of the training doctor."""
+
+    kl_high: float = Field(10.0, gt=0.0)
+    """kl_sum above this is a blow-up candidate."""
+    clip_frac_high: float = Field(0.3, gt=0.0, le=1.0)
+    """Clip fraction above this is high."""
+    kl_low: float = Field(1e-3, ge=0.0)
+    """kl_mean below this is 'stuck at zero'."""
+    advantage_abs_max: float = Field(100.0, gt=0.0)
+    """|advantage| above this is an explosion (ScaleRL alert)."""
+    filter_rate_high: float = Field(0.5, gt=0.0, le=1.0)
+    """Zero-variance filter rate above this is over-filtering."""
+    truncation_rate_high: float = Field(0.1, gt=0.0, le=1.0)
+    """Share of responses hitting max_new_tokens."""
+    spike_factor: float = Field(5.0, gt=1.0)
+    """A value this many times its running median is a spike."""
+    window: int = Field(5, ge=2, le=10000)
+    """Points per comparison window."""

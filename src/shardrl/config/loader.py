@@ -1,0 +1,188 @@
+"""YAML loading: `extends:` of presets or files, `--set a.b=c` overrides, readable errors."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .run import RunConfig
+
+PRESET_DIR = Path(__file__).parent / "presets"
+# Keys that select a variant of a discriminated union: a child that changes one replaces the
+# parent's mapping instead of merging into it (the old variant's fields would be unknown keys).
+_DISCRIMINATORS = ("kind", "estimator")
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One validation problem at a dotted field path."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """The config is invalid; `errors` lists every problem by field path."""
+
+    def __init__(self, source: str, errors: list[FieldError]):
+        self.source = source
+        self.errors = errors
+        lines = "\n".join(f"  - {e}" for e in errors)
+        super().__init__(f"invalid config {source} ({len(errors)} error(s)):\n{lines}")
+
+
+def preset_names() -> list[str]:
+    """Names usable in `extends:`."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [FieldError("", f"not valid YAML: {exc}")]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), [FieldError("", "the top level must be a mapping")])
+    return data
+
+
+def _resolve_extends(ref: str, base_dir: Path, chain: tuple[str, ...]) -> dict[str, Any]:
+    candidate = (base_dir / ref) if ref.endswith((".yaml", ".yml")) else PRESET_DIR / f"{ref}.yaml"
+    if not candidate.exists():
+        hint = difflib.get_close_matches(ref, preset_names(), n=1)
+        tip = f" (did you mean '{hint[0]}'?)" if hint else f"; presets: {', '.join(preset_names())}"
+        raise ConfigError(ref, [FieldError("extends", f"unknown preset or file '{ref}'{tip}")])
+    return _load_raw(candidate.resolve(), chain)
+
+
+def _load_raw(path: Path, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    if str(path) in chain:
+        raise ConfigError(str(path), [FieldError("extends", "circular extends: " + " -> ".join(chain))])
+    data = _read_yaml(path)
+    parent_ref = data.pop("extends", None)
+    if parent_ref is None:
+        return data
+    parent = _resolve_extends(str(parent_ref), path.parent, (*chain, str(path)))
+    return deep_merge(parent, data)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Merge `over` into `base`: mappings recursively, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict) and not _switches_variant(old, value):
+            out[key] = deep_merge(old, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _switches_variant(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    return any(k in old and k in new and old[k] != new[k] for k in _DISCRIMINATORS)
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
+    """Apply `a.b.c=value` (value parsed as YAML) to a raw config mapping."""
+    if "=" not in assignment:
+        raise ConfigError("--set", [FieldError(assignment, "expected KEY=VALUE, e.g. learner.lr=1e-4")])
+    dotted, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw)
+    patch: dict[str, Any] = {}
+    cursor = patch
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    cursor[parts[-1]] = value
+    return deep_merge(data, patch)
+
+
+def load_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The merged mapping of a config file, its `extends:` chain and overrides."""
+    p = Path(path)
+    if not p.exists():
+        if str(path) in preset_names():
+            p = PRESET_DIR / f"{path}.yaml"
+        else:
+            raise ConfigError(str(path), [FieldError("", "file not found")])
+    data = _load_raw(p.resolve())
+    for item in overrides:
+        data = apply_override(data, item)
+    return data
+
+
+def validate(data: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """Validate a raw mapping into a RunConfig, or raise ConfigError listing every problem."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load, merge and validate a run config (a file path or a preset name)."""
+    return validate(load_raw(path, overrides), str(path))
+
+
+def _describe(err: dict[str, Any]) -> FieldError:
+    loc = tuple(str(p) for p in err["loc"])
+    path = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        known = _fields_at(RunConfig, loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        suggestion = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+        return FieldError(path, f"unknown key '{loc[-1]}'{suggestion}")
+    message = err["msg"].removeprefix("Value error, ")
+    return FieldError(path, message)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
+    """Field names of the section reached by `loc` (following union tags like 'cispo')."""
+    current: Any = model
+    for part in loc:
+        candidates = _models_in(current)
+        nxt = None
+        for cls in candidates:
+            if part in cls.model_fields:
+                nxt = cls.model_fields[part].annotation
+                break
+            tag_match = [c for c in candidates if _tag(c) == part]
+            if tag_match:
+                nxt = tag_match[0]
+                break
+        if nxt is None:
+            return []
+        current = nxt
+    names: list[str] = []
+    for cls in _models_in(current):
+        names.extend(n for n in cls.model_fields if n not in names)
+    return names
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list):
+        return [m for a in typing.get_args(annotation) for m in _models_in(a)]
+    return []
+
+
+def _tag(cls: type[BaseModel]) -> str | None:
+    for key in _DISCRIMINATORS:
+        field = cls.model_fields.get(key)
+        if field is not None and isinstance(field.default, str):
+            return field.default
+    return None

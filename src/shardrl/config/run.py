@@ -1,0 +1,84 @@
+"""The whole run: one section per part of the design, plus the checks that span sections."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import Field, model_validator
+
+from .algo import AlgoConfig
+from .base import Section
+from .data import RewardConfig, TaskConfig
+from .infra import DoctorConfig, PipelineConfig, StoreConfig, TrackingConfig
+from .model import ModelConfig
+from .stages import (
+    EvalConfig,
+    LearnerConfig,
+    PrepareConfig,
+    PromoteConfig,
+    RolloutConfig,
+    ScoreConfig,
+)
+
+
+class RunConfig(Section):
+    """A complete, validated ShardRL run."""
+
+    name: str = Field("shardrl", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Human name of the run (run ids are derived from it)."""
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Global seed."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    score: ScoreConfig = ScoreConfig()
+    prepare: PrepareConfig = PrepareConfig()
+    algo: AlgoConfig = AlgoConfig()
+    learner: LearnerConfig = LearnerConfig()
+    eval: EvalConfig = EvalConfig()
+    promote: PromoteConfig = PromoteConfig()
+    store: StoreConfig = StoreConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    doctor: DoctorConfig = DoctorConfig()
+
+    @model_validator(mode="after")
+    def _cross_section_checks(self) -> RunConfig:
+        errors = []
+        if self.algo.kl.placement != "none" and self.model.reference == "none":
+            errors.append(
+                "KL placement "
+                f"'{self.algo.kl.placement}' needs a reference model: set `model.reference: "
+                "initial` (or a model folder), or `algo.kl.placement: none`"
+            )
+        if self.eval.every > self.learner.total_steps:
+            errors.append(
+                f"`eval.every` ({self.eval.every}) exceeds `learner.total_steps` "
+                f"({self.learner.total_steps}): lower eval.every so at least one "
+                "intermediate evaluation happens"
+            )
+        if self.rollout.engine == "vllm" and self.pipeline.resources.rollout.gpus == 0:
+            errors.append(
+                "rollout engine 'vllm' needs a GPU: set `pipeline.resources.rollout.gpus: 1` "
+                "or `rollout.engine: hf`"
+            )
+        if self.algo.critic is not None and self.algo.advantages.estimator != "gae":
+            errors.append(
+                "a critic is configured but advantages are group-relative: remove `algo.critic` "
+                "or set `algo.advantages.estimator: gae`"
+            )
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Response limit at evaluation (defaults to the rollout's)."""
+        return self.eval.max_new_tokens or self.rollout.max_new_tokens
+
+    def config_hash(self) -> str:
+        """Short stable hash of the resolved config (registry tags, run ids)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]

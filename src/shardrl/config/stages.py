@@ -1,0 +1,144 @@
+"""Per-stage settings: rollout, prepare, learner, evaluation, promotion."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from .base import Section
+
+
+class RolloutConfig(Section):
+    """Generation of groups of samples by the current policy."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: transformers (CPU/GPU) or vLLM (GPU image)."""
+    workers: int = Field(1, ge=1, le=1024)
+    """Rollout replicas."""
+    group_size: int = Field(8, ge=2, le=4096)
+    """Samples per prompt (G)."""
+    prompts_per_shard: int = Field(8, ge=1, le=65536)
+    """Prompt groups per rollout shard."""
+    temperature: float = Field(1.0, gt=0.0, le=4.0)
+    """Sampling temperature (the learner uses the same one)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling."""
+    max_new_tokens: int = Field(16, ge=1, le=131072)
+    """Response length limit; a response hitting it has finish_reason 'length'."""
+    max_backlog_shards: int = Field(4, ge=1, le=100_000)
+    """Pause while more than this many shards per worker wait to be consumed by the learner."""
+    poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
+    """Sleep between checks while paused."""
+    threads: int = Field(1, ge=1, le=512)
+    """Torch threads per rollout worker on CPU."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """vLLM only: share of GPU memory for weights and KV cache."""
+
+
+class PrepareConfig(Section):
+    """Reward shaping, advantages and filtering of scored shards."""
+
+    poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
+    """Sleep between listings when there is nothing to do."""
+
+
+class ScoreConfig(Section):
+    """Reward computation."""
+
+    poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
+    """Sleep between listings when there is nothing to do."""
+    threads: int = Field(1, ge=1, le=512)
+    """Torch threads (reward model, reference logprobs)."""
+
+
+class TorchBackend(Section):
+    """Plain PyTorch learner (single process)."""
+
+    kind: Literal["torch"] = "torch"
+
+
+class DeepSpeedBackend(Section):
+    """DeepSpeed ZeRO learner (CPU with gloo, or GPUs with torchrun)."""
+
+    kind: Literal["deepspeed"] = "deepspeed"
+    zero_stage: Literal[1, 2, 3] = 2
+    """ZeRO partitioning stage."""
+    offload_optimizer: bool = False
+    """Keep optimizer state in CPU memory."""
+    bf16: bool = False
+    """bfloat16 training (GPU)."""
+
+
+LearnerBackend = Annotated[TorchBackend | DeepSpeedBackend, Field(discriminator="kind")]
+
+
+class LearnerConfig(Section):
+    """Policy updates from ready shards with bounded staleness."""
+
+    backend: LearnerBackend = TorchBackend()
+    """Training backend."""
+    total_steps: int = Field(100, ge=1, le=100_000_000)
+    """Optimizer steps; each publishes one policy version."""
+    batch_prompts: int = Field(8, ge=1, le=65536)
+    """Prompt groups per optimizer step (B)."""
+    max_staleness: int = Field(8, ge=0, le=100_000)
+    """k: admit a sample iff learner_version - policy_version <= k; 0 is synchronous."""
+    halve_staleness_at: float | None = Field(None, gt=0.0, lt=1.0)
+    """If set, k is halved once this fraction of total_steps is done (e.g. 0.8)."""
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW beta1."""
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    """AdamW beta2."""
+    warmup_steps: int = Field(5, ge=0, le=10_000_000)
+    """Linear warmup."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warmup."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the cosine schedule as a fraction of lr."""
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6)
+    """Global gradient-norm clip."""
+    ckpt_every: int = Field(10, ge=1, le=10_000_000)
+    """Resumable checkpoint every this many steps."""
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept."""
+    threads: int = Field(1, ge=1, le=512)
+    """Torch threads on CPU."""
+    poll_interval_s: float = Field(0.1, gt=0.0, le=600.0)
+    """Sleep between listings while waiting for data."""
+    doctor_every: int = Field(10, ge=1, le=1_000_000)
+    """Run the live doctor every this many steps."""
+
+
+class EvalConfig(Section):
+    """Held-out evaluation of published policy versions."""
+
+    every: int = Field(10, ge=1, le=10_000_000)
+    """Evaluate every this many versions (and the final one)."""
+    samples_per_prompt: int = Field(1, ge=1, le=1024)
+    """Samples per held-out prompt."""
+    temperature: float = Field(1.0, ge=0.0, le=4.0)
+    """Sampling temperature; 0 is greedy."""
+    max_new_tokens: int | None = Field(None, ge=1, le=131072)
+    """Defaults to rollout.max_new_tokens."""
+    threads: int = Field(1, ge=1, le=512)
+    """Torch threads on CPU."""
+    poll_interval_s: float = Field(0.5, gt=0.0, le=600.0)
+    """Sleep between checks for new versions."""
+
+
+class PromoteConfig(Section):
+    """Registration of the chosen checkpoint in the model registry."""
+
+    model_name: str = Field("shardrl-policy", min_length=1, max_length=200)
+    """Registered model name."""
+    metric: Literal["pass_at_1", "mean_reward"] = "pass_at_1"
+    """Eval metric that ranks checkpoints and decides the champion."""
+    choose: Literal["best", "last"] = "best"
+    """Register the best evaluated version or the last one."""
+    margin: float = Field(0.0, ge=0.0, le=1e6)
+    """The challenger becomes champion only if it beats the champion by more than this."""

@@ -1,0 +1,1 @@
+"""Orchestration: the stage graph and the local runner."""

@@ -1,0 +1,123 @@
+"""Run config: presets validate, typos get suggestions, cross-field rules say what to change."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardrl.config import ConfigError, RunConfig, load_config, preset_names, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_import_pulls_no_heavy_modules():
+    code = "import sys, shardrl.config; print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", ["demo", "scalerl", "ppo-rlhf"])
+def test_every_preset_validates(name):
+    assert name in preset_names()
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+def test_presets_carry_their_recipes():
+    scalerl = load_config("scalerl")
+    assert scalerl.algo.loss.kind == "cispo"
+    assert scalerl.algo.aggregation == "prompt"
+    assert scalerl.learner.max_staleness == 8
+    assert scalerl.algo.filters.no_positive_resampling.enabled
+    rlhf = load_config("ppo-rlhf")
+    assert rlhf.algo.advantages.estimator == "gae" and rlhf.algo.critic is not None
+    assert rlhf.algo.kl.controller.kind == "adaptive"
+    assert rlhf.reward.verifiers == [] and rlhf.reward.reward_model is not None
+
+
+def _errors(data):
+    with pytest.raises(ConfigError) as info:
+        validate(data)
+    return info.value.errors
+
+
+def test_typo_gets_a_suggestion_with_its_path():
+    (err,) = _errors({"learner": {"lrr": 1e-3}})
+    assert err.path == "learner.lrr"
+    assert "did you mean 'lr'" in err.message
+
+
+def test_typo_inside_a_union_variant():
+    (err,) = _errors({"algo": {"loss": {"kind": "cispo", "max_rato": 3.0}}})
+    assert "max_rato" in err.path and "did you mean 'max_ratio'" in err.message
+
+
+def test_every_error_is_listed():
+    errs = _errors({"learner": {"lr": -1, "total_steps": 0}, "rollout": {"group_size": 1}})
+    paths = sorted(e.path for e in errs)
+    assert paths == ["learner.lr", "learner.total_steps", "rollout.group_size"]
+
+
+def test_gae_requires_a_critic():
+    (err,) = _errors({"algo": {"advantages": {"estimator": "gae"}}})
+    assert "needs a critic" in err.message and "algo.critic" in err.message
+
+
+def test_kl_placement_requires_a_reference():
+    (err,) = _errors({"model": {"reference": "none"}, "algo": {"kl": {"placement": "loss"}}})
+    assert "needs a reference model" in err.message and "model.reference" in err.message
+
+
+def test_reward_needs_a_source():
+    (err,) = _errors({"reward": {"verifiers": []}})
+    assert "reward.verifiers" in err.message
+
+
+def test_heads_must_divide_width():
+    (err,) = _errors({"model": {"source": {"kind": "tiny", "hidden_size": 130, "num_heads": 4}}})
+    assert "num_heads" in err.message
+
+
+def test_vllm_needs_gpu_resources():
+    (err,) = _errors({"rollout": {"engine": "vllm"}})
+    assert "pipeline.resources.rollout.gpus" in err.message
+
+
+def test_extends_file_and_overrides(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("extends: demo\nlearner: {lr: 0.002}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: base.yaml\nalgo:\n  loss: {kind: ppo, eps_high: 0.28}\n")
+    cfg = load_config(child, ["learner.total_steps=7", "eval.every=7"])
+    assert cfg.learner.lr == 0.002
+    assert cfg.learner.total_steps == 7
+    # switching the variant replaces the parent's loss mapping rather than merging into it
+    assert cfg.algo.loss.kind == "ppo" and cfg.algo.loss.eps_high == 0.28
+
+
+def test_unknown_preset_suggests(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("extends: scalrl\n")
+    with pytest.raises(ConfigError, match="did you mean 'scalerl'"):
+        load_config(f)
+
+
+def test_cli_validate_exits_nonzero_listing_errors(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("extends: demo\nlearner: {lr: -1, totl_steps: 3}\n")
+    res = subprocess.run([sys.executable, "-m", "shardrl.cli", "config", "validate", str(f)],
+                         capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "learner.lr" in res.stderr and "did you mean 'total_steps'" in res.stderr
+
+
+def test_config_hash_is_stable_and_sensitive():
+    a, b = load_config("demo"), load_config("demo")
+    assert a.config_hash() == b.config_hash()
+    assert load_config("demo", ["learner.lr=0.5"]).config_hash() != a.config_hash()
