@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--store", help="store URI overriding store.uri")
     st.add_argument("--worker", type=int, default=0, help="replica index (0-based)")
     st.add_argument("--workers", type=int, default=1, help="number of replicas")
+    st.add_argument("--once", action="store_true",
+                    help="do one synchronous round of work and exit (sync pipeline)")
     _add_overrides(st)
 
     pl = sub.add_parser("pipeline", help="compile or submit the Kubeflow pipelines")

@@ -75,7 +75,7 @@ def stage(name: str) -> StageSpec:
 
 
 def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
-               worker: int = 0, workers: int = 1) -> list[str]:
+               worker: int = 0, workers: int = 1, once: bool = False) -> list[str]:
     """The command line that runs one replica of a stage (same in a pod and locally)."""
     stage(name)
     cmd = ["shardrl", "stage", name, "--config", config, "--run-id", run_id]
@@ -83,4 +83,6 @@ def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
         cmd += ["--store", store]
     if workers > 1:
         cmd += ["--worker", str(worker), "--workers", str(workers)]
+    if once:
+        cmd.append("--once")
     return cmd
