@@ -1,0 +1,187 @@
+"""Model and tokenizer I/O: safetensors only, manifests of sha256, tokenizer compatibility.
+
+Pickle checkpoints can run arbitrary code when loaded, so a directory that holds any
+(`*.bin`, `*.pt`, `*.pth`, `*.pkl`, `*.ckpt`) is refused before transformers looks at it,
+and every load passes `use_safetensors=True`. A manifest maps each file of a saved
+directory (relative POSIX name) to its sha256, so a reader can check that what it loads is
+exactly what the writer published.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+
+
+class UnsafeWeightsError(RuntimeError):
+    """A model directory holds pickle weights or no safetensors weights at all."""
+
+
+class ManifestMismatch(RuntimeError):
+    """A directory's files differ from the manifest it was published with."""
+
+
+class TokenizerMismatch(ValueError):
+    """Two tokenizers that must be identical (policy and reference) are not."""
+
+
+def check_safe_weights_dir(model_dir: str | Path) -> list[Path]:
+    """The `*.safetensors` files of `model_dir` (searched recursively), sorted.
+
+    Raises `UnsafeWeightsError` naming the first pickle file found, or saying that no
+    safetensors file exists.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {root} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        if path.name.endswith(PICKLE_SUFFIXES):
+            raise UnsafeWeightsError(
+                f"refusing {root}: it holds pickle weights {path.relative_to(root)} "
+                "(pickle can execute code when loaded); convert the checkpoint to safetensors "
+                "(`model.save_pretrained(dir)` with a recent transformers writes safetensors) "
+                "and remove the pickle files"
+            )
+    weights = [p for p in files if p.name.endswith(".safetensors")]
+    if not weights:
+        raise UnsafeWeightsError(f"refusing {root}: it holds no *.safetensors weights")
+    return weights
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def directory_manifest(root: str | Path) -> dict[str, str]:
+    """{relative POSIX file name: sha256} for every regular file under `root`."""
+    base = Path(root)
+    return {
+        p.relative_to(base).as_posix(): file_sha256(p)
+        for p in sorted(base.rglob("*"))
+        if p.is_file()
+    }
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: Any | None, out_dir: str | Path
+) -> dict[str, str]:
+    """Save `model` (safetensors) and `tokenizer` into `out_dir`; return its manifest.
+
+    The manifest covers every file in `out_dir` afterwards, so `out_dir` should be fresh.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers >= 5 always writes safetensors and no longer takes the flag.
+    params = inspect.signature(model.save_pretrained).parameters
+    kwargs = {"safe_serialization": True} if "safe_serialization" in params else {}
+    model.save_pretrained(str(out), **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    check_safe_weights_dir(out)
+    return directory_manifest(out)
+
+
+def verify_manifest(model_dir: str | Path, manifest: Mapping[str, str]) -> None:
+    """Raise `ManifestMismatch` unless every manifest file exists with its sha256.
+
+    Extra files are tolerated (e.g. metadata written beside the model) unless they are
+    weights (`*.safetensors` or pickle), which a loader would pick up.
+    """
+    root = Path(model_dir)
+    problems: list[str] = []
+    for name, expected in sorted(manifest.items()):
+        path = root / name
+        if not path.is_file():
+            problems.append(f"missing {name}")
+        elif (actual := file_sha256(path)) != expected:
+            problems.append(f"{name}: sha256 {actual[:12]}… != manifest {expected[:12]}…")
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_file() and name not in manifest and path.name.endswith(WEIGHT_SUFFIXES):
+            problems.append(f"unexpected weights file {name}")
+    if problems:
+        raise ManifestMismatch(f"{root} does not match its manifest: " + "; ".join(problems))
+
+
+def load_causal_lm(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a causal LM from a local safetensors-only directory, in eval mode."""
+    check_safe_weights_dir(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), use_safetensors=True, dtype=dtype, local_files_only=True
+    )
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """Load the tokenizer saved in `model_dir` (no network)."""
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """What must agree between two tokenizers for their token ids to mean the same thing."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in vocab).encode()).hexdigest()
+    return {
+        "vocab_size": len(tokenizer),
+        "vocab_sha256": digest,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "unk_token_id": tokenizer.unk_token_id,
+        "padding_side": tokenizer.padding_side,
+    }
+
+
+def check_tokenizers_match(
+    tok_a: Any, tok_b: Any, names: tuple[str, str] = ("policy", "reference")
+) -> None:
+    """Raise `TokenizerMismatch` listing every difference between two tokenizers."""
+    fa, fb = tokenizer_fingerprint(tok_a), tokenizer_fingerprint(tok_b)
+    diffs = [
+        f"{key}: {names[0]}={fa[key]!r} {names[1]}={fb[key]!r}" for key in fa if fa[key] != fb[key]
+    ]
+    if diffs:
+        raise TokenizerMismatch(
+            f"the {names[0]} and {names[1]} tokenizers differ, so their token ids and "
+            "logprobs are not comparable:\n  - " + "\n  - ".join(diffs) + "\nUse the "
+            f"{names[0]}'s own tokenizer for the {names[1]} model, or re-snapshot both "
+            "from the same base model."
+        )
+
+
+def state_dict_bytes(model: torch.nn.Module, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The model's state dict serialised as safetensors bytes (CPU copies).
+
+    Tensors that share storage (tied embeddings) are written as separate copies, since
+    safetensors refuses aliased tensors; `model.load_state_dict` then assigns both keys.
+    """
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        storage = tensor.untyped_storage().data_ptr()
+        t = tensor.detach().to("cpu").contiguous()
+        tensors[key] = t.clone() if storage in seen else t
+        seen.add(storage)
+    return safetensors_save(tensors, metadata=dict(metadata) if metadata else None)
+
+
+def load_state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Inverse of `state_dict_bytes`: {key: CPU tensor}."""
+    return safetensors_load(data)
