@@ -1,0 +1,90 @@
+"""Data filters of ScaleRL: zero-variance groups and No-Positive-Resampling."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from shardrl.algo.utils import group_index, group_sum
+
+
+def zero_variance_keep(rewards: Tensor, group_ids: Tensor, tol: float = 1e-6) -> Tensor:
+    """Which samples keep a learning signal: False for every sample of a group whose rewards
+    have population std <= tol (all equal, or a group of one), True otherwise.
+
+    rewards: (B,); group_ids: (B,) int64, any values. Returns bool (B,).
+    """
+    r = rewards.detach().double()
+    index, num_groups = group_index(group_ids)
+    counts = group_sum(r.new_ones(r.shape), index, num_groups)  # (G,)
+    means = group_sum(r, index, num_groups) / counts
+    variances = group_sum((r - means[index]).square(), index, num_groups) / counts
+    return (variances.sqrt() > tol)[index]
+
+
+class PassRateTracker:
+    """Per-prompt pass rate over the last `window` samples, driving No-Positive-Resampling.
+
+    A prompt retires once it has at least `min_samples` recorded samples and its pass rate
+    over the last `window` of them is >= `retire_at`; later epochs skip retired prompts.
+    """
+
+    def __init__(self, window: int = 100, retire_at: float = 0.9, min_samples: int = 8) -> None:
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(
+                "need window >= 1 and 1 <= min_samples <= window, "
+                f"got window={window}, min_samples={min_samples}"
+            )
+        self.window = window
+        self.retire_at = retire_at
+        self.min_samples = min_samples
+        self._history: dict[str, deque[bool]] = {}
+
+    def update(self, prompt_ids: Iterable[str], correct: Iterable[bool] | Tensor) -> None:
+        """Record one outcome per sample: `prompt_ids[i]` was solved iff `correct[i]`."""
+        outcomes = correct.tolist() if isinstance(correct, Tensor) else list(correct)
+        ids = list(prompt_ids)
+        if len(ids) != len(outcomes):
+            raise ValueError(f"{len(ids)} prompt ids but {len(outcomes)} outcomes")
+        for prompt_id, ok in zip(ids, outcomes, strict=True):
+            history = self._history.get(prompt_id)
+            if history is None:
+                history = self._history[prompt_id] = deque(maxlen=self.window)
+            history.append(bool(ok))
+
+    def pass_rate(self, prompt_id: str) -> float | None:
+        """Share of solved samples among the prompt's last `window`; None if never seen."""
+        history = self._history.get(prompt_id)
+        if not history:
+            return None
+        return sum(history) / len(history)
+
+    def retired(self) -> set[str]:
+        """Prompts whose recent pass rate reached `retire_at` with at least `min_samples`."""
+        return {
+            prompt_id
+            for prompt_id, history in self._history.items()
+            if len(history) >= self.min_samples and sum(history) / len(history) >= self.retire_at
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings and histories (0/1 lists, oldest first), JSON-serialisable."""
+        return {
+            "window": self.window,
+            "retire_at": self.retire_at,
+            "min_samples": self.min_samples,
+            "history": {pid: [int(x) for x in h] for pid, h in self._history.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`."""
+        self.window = int(state["window"])
+        self.retire_at = float(state["retire_at"])
+        self.min_samples = int(state["min_samples"])
+        self._history = {
+            str(pid): deque((bool(x) for x in h), maxlen=self.window)
+            for pid, h in state["history"].items()
+        }
