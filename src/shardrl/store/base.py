@@ -1,0 +1,218 @@
+"""The `Store` interface, its errors, key validation and the retry policy.
+
+A store holds immutable objects under string keys relative to its root
+(`runs/r1/rollouts/v000012/w00-000034.parquet`). An object becomes visible only when
+complete, so a reader either sees the whole object or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+log = logging.getLogger("shardrl.store")
+
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """Any failure of a store operation."""
+
+
+class NotFound(StoreError):
+    """The key does not exist."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: bad credentials, missing bucket, access denied."""
+
+
+class StoreUnavailable(StoreError):
+    """Transient failures went on past the retry policy's attempts or deadline."""
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a valid relative object key, else raise ValueError.
+
+    A key is `/`-separated, relative, with non-empty segments that do not start with a
+    dot (this keeps `..` out and reserves dot-names for the local store's temp files).
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, got {key!r}")
+    if "\\" in key or any(ord(c) < 32 for c in key):
+        raise ValueError(f"object key {key!r} contains a backslash or a control character")
+    for segment in key.split("/"):
+        if not segment or segment.startswith("."):
+            raise ValueError(
+                f"object key {key!r} must be relative, without empty segments or segments "
+                "starting with '.'"
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Return `prefix` if it can start a valid key (`''`, `runs/`, `runs/r1/roll`)."""
+    if prefix:
+        check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+class Store(ABC):
+    """An object store rooted at `uri`; keys are relative to that root."""
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """Where the root is: `file:///abs/dir` or `s3://bucket/prefix`."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write `data` at `key`; it becomes visible to readers only when complete."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read the whole object at `key`; raise NotFound when it does not exist."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object exists at `key`."""
+
+    @abstractmethod
+    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        """Keys starting with `prefix`, sorted, all greater than `start_after` if given.
+
+        Pass the last key of the previous listing as `start_after` to resume a scan
+        without listing everything again.
+        """
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object at `key`; deleting a missing key is not an error."""
+
+    def put_json(self, key: str, obj: Any) -> None:
+        """Write `obj` as strict JSON (NaN and infinities are rejected with ValueError)."""
+        self.put_bytes(key, json.dumps(obj, indent=2, allow_nan=False).encode("utf-8"))
+
+    def get_json(self, key: str) -> Any:
+        """Read a JSON object written by `put_json`."""
+        data = self.get_bytes(key)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StoreError(f"{self.uri} key {key!r} is not valid JSON: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff with jitter for transient store failures."""
+
+    max_attempts: int = 10
+    """Attempts in total, the first included."""
+    base_delay_s: float = 0.2
+    """Delay before the second attempt (before jitter); doubles each attempt."""
+    max_delay_s: float = 5.0
+    """Upper bound of one delay."""
+    deadline_s: float = 60.0
+    """No retry starts later than this many seconds after the first attempt."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not 0 < self.base_delay_s <= self.max_delay_s:
+            raise ValueError(
+                f"need 0 < base_delay_s <= max_delay_s, got {self.base_delay_s}, {self.max_delay_s}"
+            )
+        if self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+
+    def delay(self, attempt: int, u: float) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based).
+
+        `u` in [0, 1) is the jitter draw: the delay lies in [cap/2, cap) where
+        `cap = min(max_delay_s, base_delay_s * 2 ** (attempt - 1))`.
+        """
+        cap = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return cap * (0.5 + 0.5 * u)
+
+
+class Retrier:
+    """Runs operations under a RetryPolicy and logs an outage once when it starts and ends.
+
+    `is_transient(exc)` decides which exceptions are retried; others propagate at once.
+    One Retrier is shared by all operations of a store, so concurrent calls report one
+    outage, not one per call.
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        target: str,
+        is_transient: Callable[[BaseException], bool],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy = policy
+        self.target = target
+        self._is_transient = is_transient
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._outage_since: float | None = None
+
+    def call(self, what: str, op: Callable[[], T]) -> T:
+        """Return `op()`, retrying transient failures; `what` names the operation in errors."""
+        start = self._clock()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                result = op()
+            except Exception as e:
+                if not self._is_transient(e):
+                    raise
+                self._outage_started(e)
+                elapsed = self._clock() - start
+                with self._lock:
+                    delay = self.policy.delay(attempt, self._rng.random())
+                if attempt >= self.policy.max_attempts or elapsed + delay > self.policy.deadline_s:
+                    raise StoreUnavailable(
+                        f"{self.target}: {what} failed after {attempt} attempts over "
+                        f"{elapsed:.1f} s ({type(e).__name__}: {e}). Check that the object "
+                        "store is running and reachable from here, or raise the retry "
+                        "deadline (store.retry.deadline_s) to ride out longer outages."
+                    ) from e
+                self._sleep(delay)
+            else:
+                self._outage_ended()
+                return result
+
+    def _outage_started(self, error: BaseException) -> None:
+        with self._lock:
+            if self._outage_since is not None:
+                return
+            self._outage_since = self._clock()
+        log.warning(
+            "object store %s unavailable (%s: %s); retrying for up to %.0f s",
+            self.target, type(error).__name__, error, self.policy.deadline_s,
+        )
+
+    def _outage_ended(self) -> None:
+        with self._lock:
+            if self._outage_since is None:
+                return
+            duration = self._clock() - self._outage_since
+            self._outage_since = None
+        log.warning("object store %s available again after %.1f s", self.target, duration)

@@ -1,0 +1,208 @@
+"""The key layout of one run: every object of run `r` lives under `runs/r/`.
+
+    runs/r/run.json                                  run manifest (snapshot)
+    runs/r/ref/<file>                                frozen reference model
+    runs/r/policy/v000012/<file>, policy/LATEST.json policy versions and the newest pointer
+    runs/r/rollouts/v000012/w00-000034.parquet       rollout shard: version, worker, sequence
+    runs/r/scored/v000012/w00-000034.parquet         named after its rollout shard
+    runs/r/ready/v000012/w00-000034.parquet          named after its rollout shard
+    runs/r/learner/ckpt-000100/<file>, learner/LATEST.json
+    runs/r/eval/v000012.parquet, eval/v000012.json
+    runs/r/metrics/<stage>/<name>.parquet
+    runs/r/state/<stage>/<name>
+    runs/r/quarantine/<stage>/<run-relative key>, and <that key>.error.json
+    runs/r/DONE.json
+
+Zero-padded numbers make the lexicographic order of keys their numeric order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+ShardKind = Literal["rollouts", "scored", "ready"]
+SHARD_KINDS: tuple[ShardKind, ...] = ("rollouts", "scored", "ready")
+
+MAX_VERSION = 999_999
+MAX_WORKER = 99
+MAX_SEQ = 999_999
+MAX_STEP = 999_999
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_SHARD = re.compile(
+    r"runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/(?P<kind>rollouts|scored|ready)"
+    r"/v(?P<version>\d{6})/w(?P<worker>\d{2})-(?P<seq>\d{6})\.parquet\Z"
+)
+
+
+def _name(value: str, what: str) -> str:
+    """`value` if it is a single safe key segment (letters, digits, `._-`), else ValueError."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what} must match [A-Za-z0-9][A-Za-z0-9._-]*, got {value!r}")
+    return value
+
+
+def _relative_path(value: str, what: str) -> str:
+    """`value` if it is one or more safe segments joined by `/`, else ValueError."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty relative path, got {value!r}")
+    for segment in value.split("/"):
+        _name(segment, what)
+    return value
+
+
+def _number(value: int, top: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+        raise ValueError(f"{what} must be an integer in [0, {top}], got {value!r}")
+    return value
+
+
+def version_dir(version: int) -> str:
+    """`v000012` for version 12."""
+    return f"v{_number(version, MAX_VERSION, 'version'):06d}"
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """The parts of a shard key `runs/<run_id>/<kind>/v<version>/w<worker>-<seq>.parquet`."""
+
+    run_id: str
+    kind: ShardKind
+    version: int
+    worker: int
+    seq: int
+
+    @property
+    def key(self) -> str:
+        """The key these parts name."""
+        return RunKeys(self.run_id).shard(self.kind, self.version, self.worker, self.seq)
+
+
+def parse_shard_key(key: str) -> ShardKey:
+    """Split a rollout/scored/ready shard key into its parts; ValueError if malformed."""
+    m = _SHARD.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(
+            f"not a shard key: {key!r} (expected runs/<run_id>/<rollouts|scored|ready>/"
+            "v<6 digits>/w<2 digits>-<6 digits>.parquet)"
+        )
+    return ShardKey(
+        run_id=m["run"], kind=m["kind"],  # type: ignore[arg-type]
+        version=int(m["version"]), worker=int(m["worker"]), seq=int(m["seq"]),
+    )
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Builds every key of run `run_id`; prefixes end with `/` and suit `Store.list`."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        _name(self.run_id, "run_id")
+
+    @property
+    def root(self) -> str:
+        """`runs/<run_id>/`: the prefix of every key of the run."""
+        return f"runs/{self.run_id}/"
+
+    def relative(self, key: str) -> str:
+        """`key` without the run's root; ValueError when the key is not in this run."""
+        if not key.startswith(self.root) or key == self.root:
+            raise ValueError(f"key {key!r} is not under {self.root}")
+        return key[len(self.root):]
+
+    def run_json(self) -> str:
+        return f"{self.root}run.json"
+
+    def done(self) -> str:
+        """`DONE.json`: written by the learner at the end; looping stages stop on it."""
+        return f"{self.root}DONE.json"
+
+    def ref_prefix(self) -> str:
+        return f"{self.root}ref/"
+
+    def ref_file(self, name: str) -> str:
+        return self.ref_prefix() + _relative_path(name, "file name")
+
+    def policy_prefix(self, version: int) -> str:
+        return f"{self.root}policy/{version_dir(version)}/"
+
+    def policy_file(self, version: int, name: str) -> str:
+        return self.policy_prefix(version) + _relative_path(name, "file name")
+
+    def latest_policy(self) -> str:
+        """`policy/LATEST.json`: points at the newest complete policy version."""
+        return f"{self.root}policy/LATEST.json"
+
+    def kind_prefix(self, kind: ShardKind) -> str:
+        """`rollouts/`, `scored/` or `ready/` of the run."""
+        if kind not in SHARD_KINDS:
+            raise ValueError(f"shard kind must be one of {SHARD_KINDS}, got {kind!r}")
+        return f"{self.root}{kind}/"
+
+    def version_prefix(self, kind: ShardKind, version: int) -> str:
+        """All shards of one kind produced by policy `version`."""
+        return f"{self.kind_prefix(kind)}{version_dir(version)}/"
+
+    def shard(self, kind: ShardKind, version: int, worker: int, seq: int) -> str:
+        name = f"w{_number(worker, MAX_WORKER, 'worker'):02d}-{_number(seq, MAX_SEQ, 'seq'):06d}"
+        return f"{self.version_prefix(kind, version)}{name}.parquet"
+
+    def rollout(self, version: int, worker: int, seq: int) -> str:
+        return self.shard("rollouts", version, worker, seq)
+
+    def scored_for(self, rollout_key: str) -> str:
+        """The scored shard made from `rollout_key` (same version, worker and sequence)."""
+        return self._derived(rollout_key, "scored")
+
+    def ready_for(self, rollout_key: str) -> str:
+        """The ready shard made from `rollout_key` (or from its scored shard)."""
+        return self._derived(rollout_key, "ready")
+
+    def _derived(self, key: str, kind: ShardKind) -> str:
+        parts = parse_shard_key(key)
+        if parts.run_id != self.run_id:
+            raise ValueError(f"shard {key!r} belongs to run {parts.run_id!r}, not {self.run_id!r}")
+        return self.shard(kind, parts.version, parts.worker, parts.seq)
+
+    def learner_prefix(self, step: int) -> str:
+        return f"{self.root}learner/ckpt-{_number(step, MAX_STEP, 'step'):06d}/"
+
+    def learner_file(self, step: int, name: str) -> str:
+        return self.learner_prefix(step) + _relative_path(name, "file name")
+
+    def latest_learner(self) -> str:
+        """`learner/LATEST.json`: points at the newest complete learner checkpoint."""
+        return f"{self.root}learner/LATEST.json"
+
+    def eval_table(self, version: int) -> str:
+        return f"{self.root}eval/{version_dir(version)}.parquet"
+
+    def eval_summary(self, version: int) -> str:
+        return f"{self.root}eval/{version_dir(version)}.json"
+
+    def metrics(self, stage: str, name: str) -> str:
+        return f"{self.root}metrics/{_name(stage, 'stage')}/{_name(name, 'metrics name')}.parquet"
+
+    def state(self, stage: str, name: str) -> str:
+        return f"{self.root}state/{_name(stage, 'stage')}/{_relative_path(name, 'state name')}"
+
+    def quarantine(self, stage: str, key: str) -> str:
+        """Where the run's object `key` goes when `stage` cannot use it."""
+        return f"{self.root}quarantine/{_name(stage, 'stage')}/{self.relative(key)}"
+
+
+def quarantine_key(key: str, stage: str) -> str:
+    """Quarantine location of any key: inside its run when it has one, else at the root."""
+    m = re.match(r"runs/([^/]+)/", key)
+    if m and len(key) > m.end():
+        return RunKeys(m[1]).quarantine(stage, key)
+    return f"quarantine/{_name(stage, 'stage')}/{key}"
+
+
+def error_key(quarantined_key: str) -> str:
+    """The `.error.json` written beside a quarantined object."""
+    return f"{quarantined_key}.error.json"

@@ -1,0 +1,237 @@
+"""`S3Store`: an S3-compatible bucket (MinIO, SeaweedFS, AWS) through the `minio` SDK.
+
+Every object is written with a single PUT, so it is visible only when complete. Transient
+failures (refused or reset connections, timeouts, 5xx, SlowDown) are retried under a
+`RetryPolicy`; permanent ones (missing bucket, rejected credentials) fail at once with a
+message naming the endpoint and the bucket. Credentials never appear in messages or repr.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import certifi
+import urllib3
+from minio import Minio
+from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
+from minio.helpers import MAX_PART_SIZE, MIN_PART_SIZE
+
+from shardrl.store.base import (
+    NotFound,
+    PermanentStoreError,
+    Retrier,
+    RetryPolicy,
+    Store,
+    StoreError,
+    check_key,
+    check_prefix,
+)
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted"}
+)
+_CREDENTIAL_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+     "ExpiredToken", "AllAccessDisabled"}
+)
+_ENV_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or SHARDRL_AWS_ACCESS_KEY_ID/...)"
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether retrying the request that raised `error` may succeed."""
+    if isinstance(error, S3Error):
+        status = error.response.status if error.response is not None else 0
+        return error.code in _TRANSIENT_CODES or status >= 500 or status == 429
+    if isinstance(error, ServerError):
+        return error.status_code >= 500 or error.status_code == 429
+    if isinstance(error, InvalidResponseError):
+        status = getattr(error, "_code", 0) or 0
+        return status >= 500 or status == 429
+    if isinstance(error, urllib3.exceptions.SSLError):
+        return False  # a certificate problem does not fix itself
+    return isinstance(error, urllib3.exceptions.HTTPError | OSError)
+
+
+def _env(name: str) -> str | None:
+    """`SHARDRL_<name>` if set, else `<name>`, else None."""
+    return os.environ.get(f"SHARDRL_{name}") or os.environ.get(name) or None
+
+
+class S3Store(Store):
+    """Objects under `prefix` in `bucket` at `endpoint` (`host:port` or `http(s)://host:port`)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str = "https://s3.amazonaws.com",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        secure: bool | None = None,
+        region: str = "us-east-1",
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not bucket:
+            raise ValueError("S3Store needs a bucket name")
+        if not access_key or not secret_key:
+            raise PermanentStoreError(
+                f"no credentials for bucket {bucket!r} at {endpoint}: set {_ENV_HINT}"
+            )
+        parts = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
+        if parts.scheme not in ("", "http", "https") or not parts.netloc:
+            raise ValueError(f"S3 endpoint must be host[:port] or http(s)://host[:port], got {endpoint!r}")
+        if parts.scheme and secure is not None and secure != (parts.scheme == "https"):
+            raise ValueError(f"secure={secure} contradicts the scheme of endpoint {endpoint!r}")
+        secure = parts.scheme != "http" if secure is None else secure
+        self.bucket = bucket
+        self.prefix = check_prefix(prefix.strip("/") + "/") if prefix.strip("/") else ""
+        self.endpoint = f"{'https' if secure else 'http'}://{parts.netloc}"
+        self.retry = retry or RetryPolicy()
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=5.0, read=120.0),
+            maxsize=16,
+            retries=False,  # retries are ours, under self.retry
+            cert_reqs="CERT_REQUIRED",
+            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        )
+        self._client = Minio(
+            parts.netloc, access_key=access_key, secret_key=secret_key,
+            secure=secure, region=region, http_client=http,
+        )
+        self._retrier = Retrier(self.retry, f"{self.endpoint} bucket {bucket!r}", is_transient)
+        self._bucket_checked = False
+        self._bucket_lock = threading.Lock()
+
+    @classmethod
+    def from_uri(cls, uri: str, retry: RetryPolicy | None = None) -> S3Store:
+        """Open `s3://bucket/prefix`; endpoint, region and credentials come from the environment.
+
+        Reads `S3_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+        `AWS_REGION`/`AWS_DEFAULT_REGION`; a `SHARDRL_`-prefixed variable wins over the plain one.
+        """
+        parts = urlsplit(uri)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ValueError(f"expected s3://bucket/prefix, got {uri!r}")
+        return cls(
+            bucket=parts.netloc,
+            prefix=parts.path,
+            endpoint=_env("S3_ENDPOINT_URL") or "https://s3.amazonaws.com",
+            access_key=_env("AWS_ACCESS_KEY_ID"),
+            secret_key=_env("AWS_SECRET_ACCESS_KEY"),
+            region=_env("AWS_REGION") or _env("AWS_DEFAULT_REGION") or "us-east-1",
+            retry=retry,
+        )
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri!r}, endpoint={self.endpoint!r})"
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        name = self.prefix + check_key(key)
+        if len(data) > MAX_PART_SIZE:
+            raise StoreError(f"{key!r} is {len(data)} bytes: a single PUT takes at most 5 GiB")
+        # A part size of at least the object's length makes the SDK send one PUT.
+        part_size = max(len(data), MIN_PART_SIZE)
+        self._call(
+            "put", key,
+            lambda: self._client.put_object(
+                self.bucket, name, io.BytesIO(data), len(data), part_size=part_size
+            ),
+        )
+
+    def get_bytes(self, key: str) -> bytes:
+        name = self.prefix + check_key(key)
+
+        def get() -> bytes:
+            response = self._client.get_object(self.bucket, name)
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+
+        return self._call("get", key, get)
+
+    def exists(self, key: str) -> bool:
+        name = self.prefix + check_key(key)
+        try:
+            self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
+        except NotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        name = self.prefix + check_key(key)
+        self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        check_prefix(prefix)
+        after = self.prefix + start_after if start_after is not None else None
+
+        def scan() -> list[str]:
+            objects = self._client.list_objects(
+                self.bucket, prefix=self.prefix + prefix, recursive=True, start_after=after
+            )
+            return [o.object_name for o in objects if not o.is_dir]
+
+        names = self._call("list", prefix, scan)
+        cut = len(self.prefix)
+        # Sorted and filtered here too, so a server that ignores start-after stays correct.
+        return sorted(n[cut:] for n in names if after is None or n > after)
+
+    def _call(self, what: str, key: str, op: Callable[[], T]) -> T:
+        """Run `op` under the retry policy and turn SDK errors into store errors."""
+        self._check_bucket()
+        try:
+            return self._retrier.call(f"{what} {key!r}", op)
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchObject"):
+                raise NotFound(f"no object {key!r} in {self.uri} at {self.endpoint}") from e
+            raise self._permanent(e, f"{what} {key!r}") from e
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as e:
+            raise StoreError(
+                f"{what} {key!r} in bucket {self.bucket!r} at {self.endpoint} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    def _check_bucket(self) -> None:
+        """Fail clearly and at once when the bucket is missing or the credentials are wrong."""
+        if self._bucket_checked:
+            return
+        with self._bucket_lock:
+            if self._bucket_checked:
+                return
+            try:
+                found = self._retrier.call(
+                    "check bucket", lambda: self._client.bucket_exists(self.bucket)
+                )
+            except S3Error as e:
+                raise self._permanent(e, "check bucket") from e
+            if not found:
+                raise PermanentStoreError(
+                    f"bucket {self.bucket!r} does not exist at endpoint {self.endpoint}: "
+                    "create it or fix the store URI"
+                )
+            self._bucket_checked = True
+
+    def _permanent(self, error: S3Error, what: str) -> StoreError:
+        """The store error for an S3 error response that retrying cannot fix."""
+        where = f"bucket {self.bucket!r} at endpoint {self.endpoint}"
+        if error.code == "NoSuchBucket":
+            return PermanentStoreError(f"{where} does not exist: create it or fix the store URI")
+        if error.code in _CREDENTIAL_CODES:
+            return PermanentStoreError(
+                f"{what}: {where} rejected the request ({error.code}: {error.message}); "
+                f"check the credentials in {_ENV_HINT} and the bucket's access policy"
+            )
+        return StoreError(f"{what} in {where} failed ({error.code}: {error.message})")

@@ -1,0 +1,218 @@
+"""Parquet shards validated against the boundary schemas, quarantine, and column helpers.
+
+A shard is one immutable Parquet file (zstd) whose columns match a schema of
+`shardrl.store.schemas` exactly: same names, same order, same types. Safe differences
+are cast on the way (int64 -> int32 when every value fits, float64 -> float32 when no
+finite value overflows, large_string -> string, an all-null column -> any nullable type);
+anything else is a SchemaError. A shard that cannot be read or violates its schema is
+moved to quarantine with an `.error.json` beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shardrl.store.base import NotFound, Store
+from shardrl.store.keys import error_key, quarantine_key
+
+log = logging.getLogger("shardrl.store")
+
+
+class ShardError(Exception):
+    """A shard cannot be used by the stage that reads it."""
+
+
+class CorruptShard(ShardError):
+    """The object is not a readable Parquet file."""
+
+
+class SchemaError(ShardError):
+    """The table does not match the boundary schema."""
+
+
+def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether a column of type `src` may be cast to `dst` (range checks happen on cast)."""
+    if pa.types.is_null(src):
+        return True
+    if pa.types.is_integer(src):
+        return pa.types.is_integer(dst) or pa.types.is_floating(dst)
+    if pa.types.is_floating(src):
+        return pa.types.is_floating(dst)
+    if pa.types.is_string(src) or pa.types.is_large_string(src):
+        return pa.types.is_string(dst) or pa.types.is_large_string(dst)
+    if pa.types.is_list(src) or pa.types.is_large_list(src):
+        return (pa.types.is_list(dst) or pa.types.is_large_list(dst)) and _castable(
+            src.value_type, dst.value_type
+        )
+    return False
+
+
+def _leaves(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The innermost values of a (possibly nested) list column."""
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        column = pc.list_flatten(column)
+    return column
+
+
+def _cast_column(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+    """`column` as `field.type`, or SchemaError when the cast would lose information."""
+    if column.type == field.type:
+        return column
+    if not _castable(column.type, field.type):
+        raise SchemaError(f"column {field.name!r} has type {column.type}, expected {field.type}")
+    try:
+        cast = column.cast(field.type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise SchemaError(
+            f"column {field.name!r} cannot be cast from {column.type} to {field.type} "
+            f"without loss: {e}"
+        ) from e
+    before, after = _leaves(column), _leaves(cast)
+    if pa.types.is_floating(before.type) and pa.types.is_floating(after.type):
+        if pc.sum(pc.is_inf(after)).as_py() != pc.sum(pc.is_inf(before)).as_py():
+            raise SchemaError(
+                f"column {field.name!r}: values overflow when cast from {column.type} "
+                f"to {field.type}"
+            )
+    return cast
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly `schema`: same column names and order, types cast safely.
+
+    Raises SchemaError naming the missing, unexpected or mistyped columns, or a
+    non-nullable column that holds nulls.
+    """
+    names, expected = table.column_names, schema.names
+    if names != expected:
+        missing = [n for n in expected if n not in names]
+        extra = [n for n in names if n not in expected]
+        if missing or extra:
+            raise SchemaError(f"columns differ: missing {missing}, unexpected {extra}")
+        raise SchemaError(f"columns in the wrong order: expected {expected}, got {names}")
+    columns = []
+    for field, column in zip(schema, table.columns, strict=True):
+        column = _cast_column(column, field)
+        if not field.nullable and column.null_count:
+            raise SchemaError(f"column {field.name!r} must not be null ({column.null_count} nulls)")
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
+    """Parquet (zstd) bytes of `table` conformed to `schema`."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(conform(table, schema), sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
+    """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as e:
+        raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
+    return conform(table, schema)
+
+
+def write_shard(store: Store, key: str, table: pa.Table, schema: pa.Schema) -> None:
+    """Validate `table` against `schema` and write it as one Parquet object at `key`."""
+    try:
+        data = encode_shard(table, schema)
+    except SchemaError as e:
+        raise SchemaError(f"cannot write {key!r}: {e}") from e
+    store.put_bytes(key, data)
+
+
+def read_shard(store: Store, key: str, schema: pa.Schema) -> pa.Table:
+    """Read the shard at `key` and validate it against `schema`."""
+    data = store.get_bytes(key)
+    try:
+        return decode_shard(data, schema)
+    except ShardError as e:
+        raise type(e)(f"shard {key!r} in {store.uri}: {e}") from e
+
+
+def quarantine(store: Store, key: str, stage: str, error: BaseException) -> str:
+    """Move `key` to quarantine with an `.error.json` beside it; return the new key.
+
+    The copy and the error file are written before the original is deleted, so a crash
+    in between leaves the shard in both places, never in neither.
+    """
+    target = quarantine_key(key, stage)
+    try:
+        data: bytes | None = store.get_bytes(key)
+    except NotFound:
+        data = None  # already moved, or gone: record the error anyway
+    if data is not None:
+        store.put_bytes(target, data)
+    store.put_json(error_key(target), {
+        "error_type": type(error).__name__,
+        "message": str(error),
+        "stage": stage,
+        "time": time.time(),
+        "original_key": key,
+        "size_bytes": None if data is None else len(data),
+    })
+    store.delete(key)
+    log.warning("quarantined %s as %s (%s: %s)", key, target, type(error).__name__, error)
+    return target
+
+
+def read_or_quarantine(store: Store, key: str, schema: pa.Schema, stage: str) -> pa.Table | None:
+    """`read_shard`, except that an unusable shard is quarantined and None is returned."""
+    try:
+        return read_shard(store, key, schema)
+    except ShardError as e:
+        quarantine(store, key, stage, e)
+        return None
+
+
+def list_column_to_padded(
+    table: pa.Table, column: str, pad: float | int, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as a right-padded matrix, built from the Arrow offsets without a row loop.
+
+    Returns `padded (B, T)` with row i's values in `padded[i, :lengths[i]]` and `pad` after,
+    and `lengths (B,)` int64. T is `width` if given, else the longest row. The dtype is
+    that of the list values (int32 for token ids, float32 for logprobs).
+    """
+    array = table.column(column).combine_chunks()
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise ValueError(f"column {column!r} is {array.type}, not a list column")
+    values = array.flatten()
+    if array.null_count or values.null_count:
+        raise ValueError(f"column {column!r} holds nulls; cannot pad it")
+    offsets = array.offsets.to_numpy()                               # (B + 1,)
+    lengths = np.diff(offsets).astype(np.int64)                      # (B,)
+    flat = values.to_numpy(zero_copy_only=False)                     # (sum(lengths),)
+    longest = int(lengths.max(initial=0))
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"column {column!r} has a row of {longest} values > width {width}")
+    padded = np.full((len(array), width), pad, dtype=flat.dtype)    # (B, T)
+    padded[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return padded, lengths
+
+
+def padded_to_list_array(
+    padded: np.ndarray, lengths: np.ndarray, value_type: pa.DataType | None = None
+) -> pa.ListArray:
+    """The inverse of `list_column_to_padded`: row i is `padded[i, :lengths[i]]`.
+
+    `padded (B, T)`, `lengths (B,)`; `value_type` defaults to the Arrow type of the dtype.
+    """
+    batch, width = padded.shape
+    lengths = np.asarray(lengths, dtype=np.int64)                    # (B,)
+    if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > width).any():
+        raise ValueError(f"lengths must have shape ({batch},) with values in [0, {width}]")
+    values = padded[np.arange(width)[None, :] < lengths[:, None]]   # (sum(lengths),)
+    offsets = np.zeros(batch + 1, dtype=np.int32)                    # (B + 1,)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))

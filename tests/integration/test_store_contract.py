@@ -1,0 +1,310 @@
+"""One contract for every Store backend: a folder and S3 on a real SeaweedFS server."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardrl.store import (
+    LocalStore,
+    NotFound,
+    PermanentStoreError,
+    RetryPolicy,
+    RunKeys,
+    Store,
+    StoreError,
+    list_column_to_padded,
+    open_store,
+    read_or_quarantine,
+    read_shard,
+    write_shard,
+)
+from shardrl.store.s3 import S3Store
+from shardrl.store.schemas import ROLLOUT, SCORED
+
+BUCKET = "shardrl-contract"
+FAST_RETRY = RetryPolicy(max_attempts=100, base_delay_s=0.05, max_delay_s=0.5, deadline_s=60.0)
+Spec = tuple[str, dict[str, Any]]
+
+
+def _open(spec: Spec) -> Store:
+    """Build the store a spec describes (also in spawned child processes)."""
+    kind, kwargs = spec
+    return LocalStore(**kwargs) if kind == "local" else S3Store(**kwargs, retry=FAST_RETRY)
+
+
+@pytest.fixture(scope="module")
+def bucket(seaweed) -> str:
+    seaweed.make_bucket(BUCKET)
+    return BUCKET
+
+
+@pytest.fixture(params=["local", "s3"])
+def spec(request, tmp_path) -> Spec:
+    if request.param == "local":
+        return ("local", {"root": str(tmp_path / "store")})
+    server = request.getfixturevalue("seaweed")
+    return ("s3", {
+        "bucket": request.getfixturevalue("bucket"), "prefix": f"t-{uuid.uuid4().hex[:12]}",
+        "endpoint": server.endpoint, "access_key": server.access_key,
+        "secret_key": server.secret_key,
+    })
+
+
+@pytest.fixture
+def store(spec) -> Store:
+    return _open(spec)
+
+
+def _rollout_table(rows: int) -> pa.Table:
+    """`rows` rollout rows: row i has i+1 response tokens [10, 11, ...] and logprobs -0.5."""
+    return pa.table({
+        "prompt_id": [f"p{i // 2}" for i in range(rows)],
+        "group_id": [f"g{i // 2}" for i in range(rows)],
+        "sample_idx": pa.array([i % 2 for i in range(rows)], pa.int32()),
+        "policy_version": pa.array([3] * rows, pa.int64()),
+        "worker": pa.array([0] * rows, pa.int32()),
+        "prompt_text": ["2+2="] * rows,
+        "prompt_token_ids": pa.array([[1, 2, 3]] * rows, pa.list_(pa.int32())),
+        "response_token_ids": pa.array(
+            [list(range(10, 11 + i)) for i in range(rows)], pa.list_(pa.int32())
+        ),
+        "behavior_logprobs": pa.array([[-0.5] * (i + 1) for i in range(rows)], pa.list_(pa.float32())),
+        "finish_reason": ["stop"] * rows,
+        "response_text": ["4"] * rows,
+        "answer": ["4"] * rows,
+        "category": ["add"] * rows,
+        "created_at": [1.7e9] * rows,
+    }, schema=ROLLOUT)
+
+
+def test_bytes_and_json_round_trip(store):
+    every_byte = bytes(range(256))
+    store.put_bytes("a/bin", every_byte)
+    store.put_bytes("a/empty", b"")
+    assert store.get_bytes("a/bin") == every_byte
+    assert store.get_bytes("a/empty") == b""
+    store.put_bytes("a/bin", b"rewritten")  # re-processing after a crash rewrites the same key
+    assert store.get_bytes("a/bin") == b"rewritten"
+    obj = {"version": 12, "files": ["model.safetensors"], "nested": {"x": 1.5, "ok": True}}
+    store.put_json("policy/LATEST.json", obj)
+    assert store.get_json("policy/LATEST.json") == obj
+    with pytest.raises(ValueError):
+        store.put_json("bad.json", {"x": float("nan")})  # strict JSON only
+    with pytest.raises(StoreError, match="not valid JSON"):
+        store.get_json("a/bin")
+
+
+def test_missing_keys_exists_and_delete(store):
+    with pytest.raises(NotFound):
+        store.get_bytes("nope/missing")
+    assert not store.exists("nope/missing")
+    store.delete("nope/missing")  # deleting a missing key is not an error
+    store.put_bytes("k", b"1")
+    assert store.exists("k")
+    store.delete("k")
+    assert not store.exists("k") and store.list() == []
+    with pytest.raises(ValueError):
+        store.put_bytes("../escape", b"1")
+
+
+def test_listing_order_prefixes_and_start_after(store):
+    keys = ["b/2", "a/b0", "a/b/c", "a/b.json", "a/a", "c", "a/b/d/e", "b/10"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    # Byte order: '.' (0x2e) < '/' (0x2f) < '0' (0x30), so a/b.json < a/b/... < a/b0.
+    everything = ["a/a", "a/b.json", "a/b/c", "a/b/d/e", "a/b0", "b/10", "b/2", "c"]
+    assert store.list() == everything
+    assert store.list("a/b") == ["a/b.json", "a/b/c", "a/b/d/e", "a/b0"]
+    assert store.list("a/b/") == ["a/b/c", "a/b/d/e"]
+    assert store.list("b/") == ["b/10", "b/2"]
+    assert store.list("zzz/") == []
+    assert store.list(start_after="a/b/c") == ["a/b/d/e", "a/b0", "b/10", "b/2", "c"]
+    assert store.list("a/", start_after="a/b/") == ["a/b/c", "a/b/d/e", "a/b0"]  # not a key
+    assert store.list("a/", start_after="a/b0") == []
+    # Paging with the last key seen as cursor returns each key exactly once.
+    seen, cursor = [], None
+    while True:
+        page = store.list(start_after=cursor)[:3]
+        if not page:
+            break
+        seen += page
+        cursor = page[-1]
+    assert seen == everything
+
+
+def test_shard_round_trip_and_padding(store):
+    key = RunKeys("r1").rollout(3, 0, 7)
+    table = _rollout_table(4)
+    write_shard(store, key, table, ROLLOUT)
+    back = read_shard(store, key, ROLLOUT)
+    assert back.equals(table)
+    tokens, lengths = list_column_to_padded(back, "response_token_ids", pad=-1)
+    # Row i holds 10..10+i, so lengths are 1..4 and the matrix is 4 x 4 padded with -1.
+    assert lengths.tolist() == [1, 2, 3, 4]
+    assert tokens.tolist() == [
+        [10, -1, -1, -1], [10, 11, -1, -1], [10, 11, 12, -1], [10, 11, 12, 13],
+    ]
+    assert store.list("runs/r1/") == [key]
+
+
+def _write_keys(spec: Spec, worker: int, count: int) -> None:
+    store = _open(spec)
+    for i in range(count):
+        store.put_bytes(f"w{worker}/k{i:03d}", f"{worker}:{i};".encode() * 100)
+
+
+def test_processes_write_distinct_keys_at_once(spec, store):
+    workers, count = 3, 15
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_keys, args=(spec, w, count)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * workers
+    expected = sorted(f"w{w}/k{i:03d}" for w in range(workers) for i in range(count))
+    assert store.list() == expected
+    for w, i in [(0, 0), (1, 7), (3, count - 1)]:
+        assert store.get_bytes(f"w{w}/k{i:03d}") == f"{w}:{i};".encode() * 100
+
+
+def _large(index: int, size: int) -> bytes:
+    return np.random.default_rng(index).bytes(size)
+
+
+def _write_large(spec: Spec, count: int, size: int) -> None:
+    store = _open(spec)
+    for i in range(count):
+        store.put_bytes(f"big/{i}", _large(i, size))
+
+
+def test_reader_never_sees_a_partial_object(spec, store):
+    count, size = 3, 30 * 2**20
+    digests = {f"big/{i}": hashlib.sha256(_large(i, size)).digest() for i in range(count)}
+    writer = multiprocessing.get_context("spawn").Process(
+        target=_write_large, args=(spec, count, size)
+    )
+    writer.start()
+    verified, polls_before_done = set(), 0
+    deadline = time.monotonic() + 120
+    while len(verified) < count and time.monotonic() < deadline:
+        polls_before_done += 1
+        for key in store.list("big/"):
+            if key not in verified:
+                data = store.get_bytes(key)  # listed => complete
+                assert len(data) == size and hashlib.sha256(data).digest() == digests[key]
+                verified.add(key)
+        time.sleep(0.02)
+    writer.join(60)
+    assert writer.exitcode == 0 and verified == set(digests)
+    assert polls_before_done > count  # the reader really polled while the writer wrote
+
+
+def test_corrupt_and_wrong_schema_shards_are_quarantined(store):
+    rk = RunKeys("r1")
+    corrupt, wrong, good = rk.rollout(1, 0, 0), rk.rollout(1, 0, 1), rk.rollout(1, 0, 2)
+    store.put_bytes(corrupt, b"PAR1 this is not parquet")
+    scored = _rollout_table(2).append_column(
+        "reward_rm", pa.array([1.0, 0.0], pa.float32())
+    )  # a column the rollout schema does not have
+    write_shard(store, wrong, scored, scored.schema)
+    write_shard(store, good, _rollout_table(2), ROLLOUT)
+
+    assert read_or_quarantine(store, corrupt, ROLLOUT, "score") is None
+    assert read_or_quarantine(store, wrong, ROLLOUT, "score") is None
+    assert read_or_quarantine(store, good, ROLLOUT, "score").num_rows == 2
+
+    assert store.list(rk.kind_prefix("rollouts")) == [good]
+    q_corrupt = "runs/r1/quarantine/score/rollouts/v000001/w00-000000.parquet"
+    q_wrong = "runs/r1/quarantine/score/rollouts/v000001/w00-000001.parquet"
+    assert store.list(rk.root + "quarantine/") == [
+        q_corrupt, q_corrupt + ".error.json", q_wrong, q_wrong + ".error.json",
+    ]
+    assert store.get_bytes(q_corrupt) == b"PAR1 this is not parquet"
+    error = store.get_json(q_corrupt + ".error.json")
+    assert error["error_type"] == "CorruptShard" and error["stage"] == "score"
+    assert error["original_key"] == corrupt and error["size_bytes"] == 24
+    assert "not a readable Parquet file" in error["message"]
+    error = store.get_json(q_wrong + ".error.json")
+    assert error["error_type"] == "SchemaError" and "unexpected ['reward_rm']" in error["message"]
+    with pytest.raises(Exception, match="missing"):
+        read_shard(store, good, SCORED)  # read directly, a violation raises
+
+
+def _s3(server, bucket: str, **overrides) -> S3Store:
+    kwargs = {"bucket": bucket, "prefix": "creds", "endpoint": server.endpoint,
+              "access_key": server.access_key, "secret_key": server.secret_key,
+              "retry": FAST_RETRY} | overrides
+    return S3Store(**kwargs)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"secret_key": "wrong-secret-123"}, {"access_key": "unknown-key", "secret_key": "x" * 16},
+])
+def test_bad_credentials_fail_at_once(seaweed, bucket, overrides):
+    store = _s3(seaweed, bucket, **overrides)
+    start = time.monotonic()
+    with pytest.raises(PermanentStoreError) as info:
+        store.put_bytes("k", b"1")
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert seaweed.endpoint in message and repr(bucket) in message
+    assert overrides["secret_key"] not in message + repr(store)
+
+
+def test_missing_bucket_fails_at_once(seaweed, bucket):
+    store = _s3(seaweed, "no-such-bucket-here")
+    start = time.monotonic()
+    with pytest.raises(PermanentStoreError, match="does not exist") as info:
+        store.get_bytes("k")
+    assert time.monotonic() - start < 5
+    assert seaweed.endpoint in str(info.value) and "'no-such-bucket-here'" in str(info.value)
+
+
+def test_open_store_takes_credentials_from_the_environment(seaweed, bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ignored-because-shardrl-wins")
+    monkeypatch.setenv("SHARDRL_AWS_ACCESS_KEY_ID", seaweed.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
+    monkeypatch.setenv("S3_ENDPOINT_URL", seaweed.endpoint)
+    store = open_store(f"s3://{bucket}/env-{uuid.uuid4().hex[:8]}")
+    store.put_json("x.json", {"a": 1})
+    assert store.get_json("x.json") == {"a": 1}
+
+
+def test_transient_outage_is_survived_and_logged_once(seaweed, bucket, caplog):
+    store = _s3(seaweed, bucket, prefix=f"outage-{uuid.uuid4().hex[:8]}")
+    store.put_bytes("before", b"kept")
+    stopped = threading.Event()
+
+    def outage() -> None:
+        seaweed.stop()
+        stopped.set()
+        time.sleep(3)
+        seaweed.start()
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    assert stopped.wait(30)
+    payload = b"written during the outage" * 1000
+    with caplog.at_level(logging.WARNING, logger="shardrl.store"):
+        with ThreadPoolExecutor(2) as pool:  # a put and a get retried at the same time
+            put = pool.submit(store.put_bytes, "during", payload)
+            get = pool.submit(store.get_bytes, "before")
+            put.result(90)
+            assert get.result(90) == b"kept"
+    thread.join(60)
+    assert store.get_bytes("during") == payload
+    messages = [r.getMessage() for r in caplog.records if r.name == "shardrl.store"]
+    assert len(messages) == 2, messages  # one when the outage starts, one when it ends
+    assert "unavailable" in messages[0] and "available again" in messages[1]

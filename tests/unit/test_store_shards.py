@@ -1,0 +1,100 @@
+"""Boundary schemas, schema conformance, Parquet encoding and the padding helpers."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardrl.store.schemas import EVAL, METRICS, READY, ROLLOUT, SCORED
+from shardrl.store.shards import (
+    CorruptShard,
+    SchemaError,
+    conform,
+    decode_shard,
+    encode_shard,
+    list_column_to_padded,
+    padded_to_list_array,
+)
+
+SMALL = pa.schema([
+    pa.field("id", pa.int32(), nullable=False),
+    pa.field("score", pa.float32(), nullable=True),
+    pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+])
+
+
+def test_later_stages_only_add_columns():
+    for earlier, later in [(ROLLOUT, SCORED), (SCORED, READY)]:
+        assert list(later)[: len(earlier)] == list(earlier)
+        assert len(later) > len(earlier)
+    assert SCORED.names[len(ROLLOUT):] == [
+        "reward_verifier", "reward_model", "reward_rm", "correct", "reward_error", "ref_logprobs",
+    ]
+    assert READY.names[len(SCORED):] == ["reward_total", "advantage", "keep", "filter_reason"]
+    assert ROLLOUT.field("response_token_ids").type == pa.list_(pa.int32())
+    assert not ROLLOUT.field("prompt_id").nullable and SCORED.field("ref_logprobs").nullable
+    assert EVAL.names[0] == "policy_version" and METRICS.names == [
+        "stage", "name", "step", "value", "time",
+    ]
+
+
+def test_safe_casts_are_applied():
+    # Plain Python lists infer int64 / double; every value fits int32 / float32.
+    table = pa.table({"id": [1, 2], "score": [0.5, None], "tokens": [[1, 2], []]})
+    out = conform(table, SMALL)
+    assert out.schema == SMALL
+    assert out.to_pylist() == [
+        {"id": 1, "score": 0.5, "tokens": [1, 2]}, {"id": 2, "score": None, "tokens": []},
+    ]
+    all_null = pa.table({"id": [1], "score": pa.array([None]), "tokens": [[3]]})
+    assert conform(all_null, SMALL).column("score").type == pa.float32()
+
+
+@pytest.mark.parametrize(("columns", "message"), [
+    ({"id": [2**31], "score": [0.5], "tokens": [[1]]}, "cannot be cast from int64 to int32"),
+    ({"id": [1], "score": [1e300], "tokens": [[1]]}, "values overflow"),
+    ({"id": [1], "score": [0.5], "tokens": [[2**40]]}, "'tokens' cannot be cast"),
+    ({"id": ["1"], "score": [0.5], "tokens": [[1]]}, "'id' has type string, expected int32"),
+    ({"id": [None], "score": [0.5], "tokens": [[1]]}, "'id' must not be null"),
+    ({"id": [1], "tokens": [[1]]}, r"missing \['score'\], unexpected \[\]"),
+    ({"id": [1], "score": [0.5], "tokens": [[1]], "x": [1]}, r"unexpected \['x'\]"),
+    ({"score": [0.5], "id": [1], "tokens": [[1]]}, "wrong order"),
+])
+def test_violations_raise_schema_error(columns, message):
+    with pytest.raises(SchemaError, match=message):
+        conform(pa.table(columns), SMALL)
+
+
+def test_encode_decode_round_trip_and_corruption():
+    table = conform(pa.table({"id": [7], "score": [None], "tokens": [[4, 5]]}), SMALL)
+    data = encode_shard(table, SMALL)
+    assert data[:4] == b"PAR1"
+    assert decode_shard(data, SMALL).equals(table)
+    with pytest.raises(CorruptShard, match="not a readable Parquet file"):
+        decode_shard(data[: len(data) // 2], SMALL)
+
+
+def test_list_column_to_padded_uses_offsets_of_chunked_and_sliced_columns():
+    chunk = pa.array([[9], [1, 2, 3], [], [4, 5]], pa.list_(pa.int32()))
+    # Two chunks, the first sliced to rows 1..3: rows are [1, 2, 3], [], [4, 5], [6].
+    column = pa.chunked_array([chunk.slice(1), pa.array([[6]], pa.list_(pa.int32()))])
+    table = pa.table({"t": column})
+    padded, lengths = list_column_to_padded(table, "t", pad=-1)
+    assert padded.dtype == np.int32 and lengths.tolist() == [3, 0, 2, 1]
+    assert padded.tolist() == [[1, 2, 3], [-1, -1, -1], [4, 5, -1], [6, -1, -1]]
+    wide, _ = list_column_to_padded(table, "t", pad=0, width=5)
+    assert wide.shape == (4, 5) and wide[0].tolist() == [1, 2, 3, 0, 0]
+    with pytest.raises(ValueError, match="width 2"):
+        list_column_to_padded(table, "t", pad=0, width=2)
+    with pytest.raises(ValueError, match="holds nulls"):
+        list_column_to_padded(pa.table({"t": pa.array([[1], None])}), "t", pad=0)
+
+
+def test_padded_to_list_array_inverts_padding():
+    padded = np.array([[-0.5, -1.0, 9.0], [9.0, 9.0, 9.0], [-2.0, 9.0, 9.0]], np.float32)
+    array = padded_to_list_array(padded, np.array([2, 0, 1]))
+    assert array.type == pa.list_(pa.float32())
+    assert array.to_pylist() == [[-0.5, -1.0], [], [-2.0]]
+    back, lengths = list_column_to_padded(pa.table({"x": array}), "x", pad=9.0, width=3)
+    assert np.array_equal(back, padded) and lengths.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError):
+        padded_to_list_array(padded, np.array([4, 0, 1]))
