@@ -76,6 +76,15 @@ def _load_raw(path: Path, chain: tuple[str, ...] = ()) -> dict[str, Any]:
     return deep_merge(parent, data)
 
 
+def resolve_mapping(data: dict[str, Any], base_dir: str | Path = ".") -> dict[str, Any]:
+    """Merge an in-memory mapping with its `extends:` chain (e.g. inline YAML)."""
+    data = dict(data)
+    parent_ref = data.pop("extends", None)
+    if parent_ref is None:
+        return data
+    return deep_merge(_resolve_extends(str(parent_ref), Path(base_dir), ()), data)
+
+
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """Merge `over` into `base`: mappings recursively, anything else replaced."""
     out = dict(base)

@@ -1,0 +1,84 @@
+"""Sample accounting of a run: generated = consumed + stale_dropped + filtered + quarantined
++ unconsumed, each side counted from its own records."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass, field
+
+import pyarrow.parquet as pq
+
+from ..store import RunKeys, Store
+from ..store.keys import parse_shard_key
+
+
+@dataclass
+class Accounting:
+    generated: int = 0
+    consumed: int = 0
+    stale_dropped: int = 0
+    filtered: int = 0
+    quarantined: int = 0
+    unconsumed: int = 0
+    duplicate_shards: list[str] = field(default_factory=list)
+    unreadable_quarantined_shards: int = 0
+
+    @property
+    def balanced(self) -> bool:
+        rhs = self.consumed + self.stale_dropped + self.filtered + self.quarantined + self.unconsumed
+        return self.generated == rhs and not self.duplicate_shards
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"balanced": self.balanced}
+
+    def line(self) -> str:
+        return (f"generated {self.generated} = consumed {self.consumed} + stale_dropped "
+                f"{self.stale_dropped} + filtered {self.filtered} + quarantined "
+                f"{self.quarantined} + unconsumed {self.unconsumed}"
+                f"  [{'holds' if self.balanced else 'DOES NOT HOLD'}]")
+
+
+def _rows(store: Store, key: str) -> int | None:
+    try:
+        return pq.ParquetFile(io.BytesIO(store.get_bytes(key))).metadata.num_rows
+    except Exception:
+        return None
+
+
+def account(store: Store, keys: RunKeys) -> Accounting:
+    acc = Accounting()
+    rollouts = {k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: k
+                for k in store.list(keys.kind_prefix("rollouts")) if k.endswith(".parquet")}
+    rows = {name: _rows(store, key) or 0 for name, key in rollouts.items()}
+    # the ledger: every shard the learner committed, exactly once
+    seen: set[str] = set()
+    for key in store.list(keys.root + "state/learn/ledger-"):
+        for entry in store.get_json(key)["shards"]:
+            sk = parse_shard_key(entry["key"])
+            name = f"v{sk.version:06d}/w{sk.worker:02d}-{sk.seq:06d}.parquet"
+            if name in seen:
+                acc.duplicate_shards.append(name)
+            seen.add(name)
+            if entry["outcome"] == "stale":
+                acc.stale_dropped += entry["rows"]
+    progress_key = keys.state("learn", "progress.json")
+    counts = store.get_json(progress_key).get("counts", {}) if store.exists(progress_key) else {}
+    acc.consumed = int(counts.get("consumed", 0))
+    acc.filtered = int(counts.get("filtered", 0))
+    # quarantine: a rollout shard moved away (score), or a derived shard (prepare, learn)
+    quarantined: set[str] = set()
+    for key in store.list(keys.root + "quarantine/"):
+        if not key.endswith(".parquet"):
+            continue
+        name = "/".join(key.rsplit("/", 2)[-2:])
+        quarantined.add(name)
+        if "/rollouts/" in key:
+            n = _rows(store, key)
+            acc.unreadable_quarantined_shards += n is None
+            acc.generated += n or 0
+            acc.quarantined += n or 0
+        else:
+            acc.quarantined += rows.get(name, 0)
+    acc.generated += sum(rows.values())
+    acc.unconsumed = sum(n for name, n in rows.items() if name not in seen and name not in quarantined)
+    return acc

@@ -1,0 +1,129 @@
+"""Live progress of a local run, metric forwarding to MLflow, and the closing summary."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+
+import pyarrow.parquet as pq
+
+from ..tracking.mlflow_run import client, find_or_create_run, log_points, tracking_uri
+from .accounting import account
+
+
+class Monitor:
+    def __init__(self, lr, progress_bar: bool = True) -> None:
+        self.lr = lr
+        self.total = lr.cfg.learner.total_steps
+        self.bar = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc="learner", unit="step", file=sys.stderr)
+        self.last_line = ""
+        self.last_tick = 0.0
+        self.forwarded: set[str] = set()
+        self.mlflow = None
+        if lr.cfg.tracking.enabled:
+            self.client = client(lr.cfg)
+            self.mlflow = find_or_create_run(lr.cfg, lr.run_id, self.client)
+
+    def say(self, text: str) -> None:
+        (self.bar.write if self.bar else print)(text)
+        sys.stdout.flush()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self.last_tick < 3.0:
+            return
+        self.last_tick = now
+        store, keys = self.lr.store, self.lr.keys
+        pkey = keys.state("learn", "progress.json")
+        progress = store.get_json(pkey) if store.exists(pkey) else {}
+        step = int(progress.get("version", 0))
+        evals = self._evals()
+        last_eval = evals[max(evals)] if evals else None
+        stale = progress.get("staleness", {})
+        line = (f"step {step}/{self.total}"
+                + (f"  pass@1 v{max(evals)} {last_eval['pass_at_1']:.3f}" if last_eval else "")
+                + f"  consumed {progress.get('counts', {}).get('consumed', 0)}"
+                + (f"  staleness max {max(int(k) for k in stale)}" if stale else ""))
+        if self.bar:
+            self.bar.n = step
+            self.bar.set_postfix_str(line.split("  ", 1)[-1])
+            self.bar.refresh()
+        elif line != self.last_line:
+            print(line, flush=True)
+        self.last_line = line
+        self._forward()
+
+    def _evals(self) -> dict[int, dict]:
+        store, keys = self.lr.store, self.lr.keys
+        return {int(k.rsplit("/v", 1)[1][:6]): store.get_json(k)
+                for k in store.list(keys.root + "eval/") if k.endswith(".json")}
+
+    def _forward(self) -> None:
+        """Copy new metric chunks from the store to MLflow (the only SQLite writer)."""
+        if self.mlflow is None:
+            return
+        store, keys = self.lr.store, self.lr.keys
+        points = []
+        for key in store.list(keys.root + "metrics/"):
+            if key in self.forwarded:
+                continue
+            table = pq.read_table(io.BytesIO(store.get_bytes(key)))
+            points += list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
+                               table.column("value").to_pylist(), table.column("time").to_pylist(),
+                               strict=True))
+            self.forwarded.add(key)
+        if points:
+            log_points(self.client, self.mlflow, points)
+
+    def finish_metrics(self) -> None:
+        self.last_tick = 0.0
+        self.tick()
+        if self.bar:
+            self.bar.close()
+            self.bar = None
+
+    def summary(self) -> int:
+        lr = self.lr
+        store, keys = lr.store, lr.keys
+        self._forward()
+        evals = self._evals()
+        acc = account(store, keys)
+        done = store.get_json(keys.done()) if store.exists(keys.done()) else {}
+        promo_key = keys.state("promote", "result.json")
+        promo = store.get_json(promo_key) if store.exists(promo_key) else {}
+        first, last = (evals.get(0), evals[max(evals)]) if evals else (None, None)
+        print("\n== ShardRL run summary ==")
+        print(f"run id            {lr.run_id}")
+        print(f"learner steps     {done.get('steps', '?')}")
+        if first and last:
+            print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f} -> final "
+                  f"(v{max(evals)}) {last['pass_at_1']:.3f}  ({first['prompts']} prompts, "
+                  f"T={first['temperature']})")
+        print(f"samples           {acc.line()}")
+        print(f"staleness         {done.get('staleness', {})} (version lag: admitted samples)")
+        if promo:
+            print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
+                  f"(policy v{promo['version']}, {promo['metric']} {promo['value']:.3f}"
+                  f"{', champion' if promo.get('champion') else ', challenger only'})")
+        uri = tracking_uri(lr.cfg)
+        print(f"MLflow            {uri}")
+        print(f"                  open the UI: .venv/bin/mlflow ui --backend-store-uri {uri}")
+        print(f"logs              {lr.log_dir}")
+        if self.mlflow is not None:
+            summary = {f"summary/{k}": float(v) for k, v in acc.as_dict().items()
+                       if isinstance(v, int | float)}
+            if first and last:
+                summary["summary/pass_at_1_baseline"] = first["pass_at_1"]
+                summary["summary/pass_at_1_final"] = last["pass_at_1"]
+            log_points(self.client, self.mlflow,
+                       [(k, int(done.get("steps", 0)), v, time.time()) for k, v in summary.items()])
+            self.client.set_terminated(self.mlflow)
+        store.put_json(keys.state("runner", "summary.json"), {
+            "accounting": acc.as_dict(), "evals": {str(k): v for k, v in evals.items()},
+            "promote": promo, "done": done})
+        return 0 if acc.balanced else 3

@@ -1,0 +1,25 @@
+"""Stage entrypoints: `shardrl stage NAME ...` parses, then imports the stage and runs it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+
+def run(args) -> int:
+    threads = os.environ.get("SHARDRL_THREADS")
+    from .context import build_context
+
+    ctx = build_context(args)
+    import torch
+
+    from ..orchestrate.graph import stage
+
+    torch.set_num_threads(int(threads) if threads else stage(args.name).threads(ctx.cfg))
+    torch.manual_seed(ctx.cfg.seed + 1000 * args.worker)
+    module = importlib.import_module(f"shardrl.stages.{args.name}")
+    try:
+        return int(module.main(ctx) or 0)
+    finally:
+        if ctx.metrics is not None:
+            ctx.metrics.flush()

@@ -1,0 +1,127 @@
+"""What every stage gets: its config, its store, its run's keys, logging and metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import yaml
+
+from ..config import RunConfig, load_config, validate
+from ..config.loader import apply_override, resolve_mapping
+from ..store import RunKeys, Store, open_store, write_shard
+from ..store.base import RetryPolicy
+from ..store.schemas import METRICS
+
+
+def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A config from a file path, a preset name, or inline YAML text (a pipeline parameter)."""
+    if "\n" in value or (value.lstrip().startswith("{") and not Path(value).exists()):
+        data = resolve_mapping(yaml.safe_load(value) or {})
+        for item in overrides:
+            data = apply_override(data, item)
+        return validate(data, "<inline config>")
+    return load_config(value, overrides)
+
+
+def retry_policy(cfg: RunConfig) -> RetryPolicy:
+    r = cfg.store.retry
+    return RetryPolicy(max_attempts=r.max_attempts, base_delay_s=r.base_delay_s,
+                       max_delay_s=r.max_delay_s, deadline_s=r.deadline_s)
+
+
+def setup_logging(stage: str, worker: int) -> logging.Logger:
+    name = stage if worker == 0 else f"{stage}.{worker}"
+    logging.basicConfig(
+        level=os.environ.get("SHARDRL_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    return logging.getLogger(f"shardrl.{stage}")
+
+
+class MetricsSink:
+    """Buffers namespaced metric points and writes them as immutable chunks under metrics/."""
+
+    def __init__(self, store: Store, keys: RunKeys, stage: str, worker: int,
+                 flush_every_s: float = 5.0) -> None:
+        self.store, self.keys, self.stage, self.worker = store, keys, stage, worker
+        self.flush_every_s = flush_every_s
+        self._rows: list[tuple[str, int, float, float]] = []
+        self._last_flush = time.monotonic()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        """Record `{name: value}` at `step` (the policy version); names get the stage prefix."""
+        now = time.time()
+        for name, value in values.items():
+            full = name if "/" in name else f"{self.stage}/{name}"
+            self._rows.append((full, int(step), float(value), now))
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        names, steps, values, times = zip(*self._rows, strict=True)
+        table = pa.table({
+            "stage": [self.stage] * len(names), "name": list(names), "step": list(steps),
+            "value": list(values), "time": list(times),
+        })
+        chunk = f"w{self.worker:02d}-{time.time_ns() // 1000:016d}"
+        write_shard(self.store, self.keys.metrics(self.stage, chunk), table, METRICS)
+        self._rows.clear()
+        self._last_flush = time.monotonic()
+
+
+@dataclass
+class StageContext:
+    """Everything a stage's `main` needs; built once from the command line."""
+
+    stage: str
+    cfg: RunConfig
+    run_id: str
+    store: Store
+    worker: int = 0
+    workers: int = 1
+    once: bool = False
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("shardrl"))
+    metrics: MetricsSink | None = None
+
+    @property
+    def keys(self) -> RunKeys:
+        return RunKeys(self.run_id)
+
+    def done(self) -> bool:
+        """True once the learner has written DONE.json: looping stages stop."""
+        return self.store.exists(self.keys.done())
+
+    def latest_version(self) -> int | None:
+        """The newest published policy version, or None before the snapshot finished."""
+        key = self.keys.latest_policy()
+        if not self.store.exists(key):
+            return None
+        return int(self.store.get_json(key)["version"])
+
+    def cache_dir(self) -> Path:
+        """Per-run local cache for downloaded model files."""
+        root = Path(os.environ.get("SHARDRL_CACHE", Path.home() / ".cache" / "shardrl"))
+        path = root / self.run_id / f"{self.stage}-{self.worker}-{os.getpid()}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def build_context(args) -> StageContext:
+    cfg = load_stage_config(args.config, args.overrides)
+    log = setup_logging(args.name, args.worker)
+    store = open_store(args.store or cfg.store.uri, retry_policy(cfg))
+    ctx = StageContext(stage=args.name, cfg=cfg, run_id=args.run_id, store=store,
+                       worker=args.worker, workers=args.workers, once=args.once, log=log)
+    ctx.metrics = MetricsSink(store, ctx.keys, args.name, args.worker)
+    return ctx

@@ -1,0 +1,44 @@
+"""Building the configured generation engine for a policy version (rollout and evaluate)."""
+
+from __future__ import annotations
+
+from ..engines.hf import HFEngine
+from .context import StageContext
+from .policy import fetch_weights, load_policy
+
+
+class PolicyEngine:
+    """An engine that follows the published policy versions, reloading weights in place."""
+
+    def __init__(self, ctx: StageContext, version: int) -> None:
+        self.ctx = ctx
+        model, self.tokenizer = load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir())
+        cfg = ctx.cfg
+        if cfg.rollout.engine == "vllm":
+            from ..engines.vllm import VLLMEngine
+
+            self.engine = VLLMEngine.from_model(model, self.tokenizer, ctx.cache_dir(),
+                                                fp32_lm_head=cfg.model.fp32_lm_head,
+                                                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        else:
+            self.engine = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id,
+                                   pad_token_id=self.tokenizer.pad_token_id,
+                                   fp32_lm_head=cfg.model.fp32_lm_head, version=0)
+        self.ensure(version)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def ensure(self, version: int) -> bool:
+        """Load `version` if it is not the current one; True when weights changed."""
+        if version == self.engine.version:
+            return False
+        self.engine.load_weights(fetch_weights(self.ctx.store, self.ctx.keys, version), version)
+        return True
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

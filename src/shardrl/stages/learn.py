@@ -1,0 +1,210 @@
+"""learn: admit ready shards within staleness k, update the policy, publish versions.
+
+Each optimizer step publishes policy version `step`. The commit order per step is: weights of
+the new version, the ledger delta (which shards this commit consumed or dropped), an
+optimizer checkpoint when due, `state/learn/progress.json` (the learner's resumable state and
+the commit point), then `policy/LATEST.json`. A restarted learner resumes from progress.json:
+versions stay continuous and no shard is consumed twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from ..algo import get_kl_controller, lr_schedule
+from ..models.io import state_dict_bytes
+from ..store import parse_shard_key
+from ..store.schemas import READY
+from ..store.shards import read_or_quarantine
+from .checkpoint import load_checkpoint, save_checkpoint
+from .context import StageContext
+from .policy import fetch_weights, load_policy, point_latest, publish_weights
+from .progress import progress_key, read_progress
+from .scan import Scanner, shard_name
+from .update import apply_step, compute_loss
+
+
+def main(ctx: StageContext) -> int:
+    return Learner(ctx).run()
+
+
+class Learner:
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        cfg, store, keys = ctx.cfg, ctx.store, ctx.keys
+        while ctx.latest_version() is None:
+            time.sleep(cfg.learner.poll_interval_s)
+        self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
+        self.model.train()
+        self.pad_id = tok.pad_token_id
+        lc = cfg.learner
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=(lc.beta1, lc.beta2),
+                                     weight_decay=lc.weight_decay)
+        self.optimizers = {"policy": self.opt}
+        self.critic = None
+        if cfg.algo.critic is not None:
+            from ..models.heads import Critic
+            from .policy import load_reference
+
+            ref, _ = load_reference(store, keys, ctx.cache_dir())
+            self.critic = Critic.from_causal_lm(ref)
+            self.optimizers["critic"] = torch.optim.AdamW(self.critic.parameters(),
+                                                          lr=cfg.algo.critic.lr)
+        controller = cfg.algo.kl.controller
+        self.kl = get_kl_controller(controller.kind)(**controller.model_dump(exclude={"kind"}))
+        state = read_progress(store, keys)
+        self.version = int(state.get("version", 0))
+        self.commits = int(state.get("commits", 0))
+        self.counts = Counter(state.get("counts", {}))
+        self.by_worker = Counter({int(k): v for k, v in state.get("processed_by_worker", {}).items()})
+        self.staleness = Counter({int(k): v for k, v in state.get("staleness", {}).items()})
+        self.ledger: dict[int, list[str]] = {int(k): v for k, v in state.get("ledger", {}).items()}
+        if "kl" in state:
+            self.kl.load_state_dict(state["kl"])
+        if self.version > 0:
+            self.model.load_state_dict(fetch_weights(store, keys, self.version), strict=False)
+            ckpt = load_checkpoint(store, keys, self.optimizers)
+            ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
+            point_latest(store, keys, self.version, {"step": self.version})
+        self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
+                               lambda v: set(self.ledger.get(v, ())))
+        self.buffer: list[tuple[str, pa.Table | None, str]] = []  # (key, table, outcome)
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+
+    # -- admission --------------------------------------------------------------------------
+    def k(self) -> int:
+        lc = self.cfg.learner
+        if lc.halve_staleness_at is not None and self.version >= lc.halve_staleness_at * lc.total_steps:
+            return lc.max_staleness // 2
+        return lc.max_staleness
+
+    def admit(self, key: str) -> None:
+        table = read_or_quarantine(self.ctx.store, key, READY, "learn")
+        if table is None:
+            self.ctx.log.warning("quarantined %s", key)
+            return
+        lag = self.version - parse_shard_key(key).version
+        self.buffer.append((key, table, "stale" if lag > self.k() else "admitted"))
+
+    def groups_ready(self) -> int:
+        groups = set()
+        for _, table, outcome in self.buffer:
+            if outcome == "admitted":
+                groups.update(table.column("group_id").to_pylist())
+        return len(groups)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        ctx, lc = self.ctx, self.cfg.learner
+        while self.version < lc.total_steps:
+            buffered = {k for k, _, _ in self.buffer}
+            new = [k for k in self.scanner.poll(self.version) if k not in buffered]
+            for key in new:
+                self.admit(key)
+            if self.groups_ready() >= lc.batch_prompts:
+                self.step()
+                if ctx.once:
+                    return 0
+            elif not new:
+                if ctx.once and ctx.done():
+                    return 0
+                time.sleep(lc.poll_interval_s)
+        ctx.store.put_json(ctx.keys.done(), {
+            "steps": self.version, "counts": dict(self.counts), "time": time.time(),
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+        })
+        ctx.log.info("done: %d steps, %s", self.version, dict(self.counts))
+        return 0
+
+    def step(self) -> None:
+        cfg, lc = self.cfg, self.cfg.learner
+        started = time.monotonic()
+        admitted = [t for _, t, outcome in self.buffer if outcome == "admitted"]
+        table = pa.concat_tables(admitted)
+        kept = table.filter(table.column("keep"))
+        lag = self.version - pc.min(table.column("policy_version")).as_py()
+        applied, metrics = False, {}
+        if len(kept):
+            scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
+                                total_steps=lc.total_steps, kind=lc.schedule,
+                                min_ratio=lc.min_lr_ratio)
+            for group in self.opt.param_groups:
+                group["lr"] = lc.lr * scale
+            loss, m, _ = compute_loss(cfg, self.model, kept, self.pad_id, self.kl.beta, self.critic)
+            params = list(self.model.parameters()) + (
+                list(self.critic.parameters()) if self.critic is not None else [])
+            applied, grad_norm = apply_step(loss, params, self.optimizers.values(), lc.grad_clip)
+            metrics = {k: float(v) for k, v in m.items()}
+            metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
+            if applied and "kl_sum" in metrics:
+                self.kl.update(metrics["kl_sum"], len(kept))
+        if not applied:
+            self.counts["skipped_steps"] += int(len(kept) > 0)
+        for v in table.column("policy_version").to_pylist():
+            self.staleness[self.version - v] += 1
+        self.busy_s += time.monotonic() - started
+        self.commit(stepped=applied)
+        wall = time.monotonic() - self.started
+        tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
+        metrics.update(
+            beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
+            samples=float(len(kept)), tokens=float(tokens),
+            samples_per_s=len(kept) / max(time.monotonic() - started, 1e-9),
+            tokens_per_s=tokens / max(time.monotonic() - started, 1e-9),
+            busy_fraction=self.busy_s / max(wall, 1e-9),
+            stale_dropped=float(self.counts["stale_dropped"]),
+            skipped_steps=float(self.counts["skipped_steps"]),
+        )
+        self.ctx.metrics.log(self.version, metrics)
+
+    def commit(self, stepped: bool) -> None:
+        """Publish (if the step was applied) and record the buffer's shards in the ledger."""
+        store, keys = self.ctx.store, self.ctx.keys
+        if stepped:
+            self.version += 1
+            publish_weights(store, keys, self.version, self.model, point=False)
+        delta = []
+        for key, table, outcome in self.buffer:
+            sk = parse_shard_key(key)
+            rows = len(table)
+            if outcome == "stale":
+                self.counts["stale_dropped"] += rows
+            else:
+                kept = int(pc.sum(table.column("keep")).as_py() or 0)
+                self.counts["consumed"] += kept
+                self.counts["filtered"] += rows - kept
+            self.by_worker[sk.worker] += 1
+            self.ledger.setdefault(sk.version, []).append(shard_name(key))
+            delta.append({"key": key, "outcome": outcome, "rows": rows})
+        self.buffer = []
+        self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
+        self.commits += 1
+        store.put_json(keys.state("learn", f"ledger-{self.commits:06d}.json"),
+                       {"version": self.version, "shards": delta})
+        if stepped and self.version % self.cfg.learner.ckpt_every == 0:
+            extra = {"critic": state_dict_bytes(self.critic)} if self.critic is not None else {}
+            save_checkpoint(store, keys, self.version, self.optimizers, extra,
+                            self.cfg.learner.keep_checkpoints)
+        store.put_json(progress_key(keys), {
+            "version": self.version, "commits": self.commits, "counts": dict(self.counts),
+            "processed_by_worker": {str(k): v for k, v in self.by_worker.items()},
+            "staleness": {str(k): v for k, v in self.staleness.items()},
+            "ledger": {str(k): v for k, v in self.ledger.items()},
+            "kl": self.kl.state_dict(), "beta": self.kl.beta, "time": time.time(),
+        })
+        if stepped:
+            point_latest(store, keys, self.version, {"step": self.version})
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Delete policy versions no admissible shard, evaluation or promotion can need."""
+        old = self.version - self.cfg.learner.max_staleness - 2
+        if old > 0 and old % self.cfg.eval.every != 0:
+            for key in self.ctx.store.list(self.ctx.keys.policy_prefix(old)):
+                self.ctx.store.delete(key)

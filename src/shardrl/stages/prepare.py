@@ -1,0 +1,162 @@
+"""prepare: reward shaping, group advantages, zero-variance filtering, pass-rate history."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ..algo import (
+    PassRateTracker,
+    RunningMoments,
+    get_advantage_estimator,
+    kl_penalty,
+    shape_rewards,
+    zero_variance_keep,
+)
+from ..store.schemas import READY, SCORED
+from ..store.shards import read_or_quarantine, read_shard, write_shard
+from .batch import padded_column
+from .context import StageContext
+from .progress import read_progress
+from .scan import Scanner, output_names, shard_name
+
+STATE = "state.json"
+RECENT = 4096  # merged shard names remembered for exact recovery after a crash
+
+
+def main(ctx: StageContext) -> int:
+    cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
+    prep = Preparer(ctx)
+    scanner = Scanner(store, keys, "prepare", "scored", cfg.rollout.workers,
+                      output_names(store, keys, "ready"))
+    prep.recover(scanner.low, ctx.latest_version() or 0)
+    while True:
+        finished = ctx.done()
+        newest = ctx.latest_version()
+        todo = scanner.poll(newest) if newest is not None else []
+        for key in todo:
+            table = read_or_quarantine(store, key, SCORED, "prepare")
+            if table is None:
+                ctx.log.warning("quarantined %s", key)
+                continue
+            ready = prep.prepare(table)
+            write_shard(store, keys.ready_for(key), ready, READY)
+            prep.merged(shard_name(key), ready)
+        if finished or (ctx.once and not todo):
+            return 0
+        if not todo:
+            time.sleep(cfg.prepare.poll_interval_s)
+
+
+class Preparer:
+    """Holds the running reward statistics and pass-rate history; both survive restarts."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        npr = ctx.cfg.algo.filters.no_positive_resampling
+        self.moments = RunningMoments()
+        self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
+                                       min_samples=npr.min_samples)
+        self.recent: list[str] = []
+        self.state_key = ctx.keys.state("prepare", STATE)
+        if ctx.store.exists(self.state_key):
+            state = ctx.store.get_json(self.state_key)
+            self.moments.load_state_dict(state["moments"])
+            self.tracker.load_state_dict(state["tracker"])
+            self.recent = state["recent"]
+
+    def recover(self, low: int, newest: int) -> None:
+        """Merge statistics of ready shards written just before a crash but not yet saved."""
+        known = set(self.recent)
+        keys = self.ctx.keys
+        for version in range(low, newest + 1):
+            for key in self.ctx.store.list(keys.version_prefix("ready", version)):
+                if shard_name(key) not in known:
+                    self.ctx.log.info("recovering statistics of %s", key)
+                    self.merged(shard_name(key), read_shard(self.ctx.store, key, READY),
+                                update_moments=True)
+
+    def prepare(self, table: pa.Table) -> pa.Table:
+        cfg = self.ctx.cfg
+        algo = cfg.algo
+        reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
+        group_ids = torch.from_numpy(
+            np.unique(table.column("group_id").to_numpy(zero_copy_only=False),
+                      return_inverse=True)[1].astype(np.int64))
+        kl_seq = torch.zeros_like(reward_rm)
+        beta = 0.0
+        if algo.kl.placement == "reward":
+            kl_seq = self._kl_seq(table)
+            beta = float(read_progress(self.ctx.store, self.ctx.keys).get(
+                "beta", _init_beta(algo.kl.controller)))
+        moments = None
+        if algo.shaping.normalize:
+            self.moments.update(reward_rm)
+            moments = self.moments
+        total = shape_rewards(reward_rm, kl_seq, moments=moments, clip=algo.shaping.clip,
+                              alpha=algo.shaping.alpha, beta=beta,
+                              clip_before_norm=algo.shaping.clip_before_norm)
+        if algo.advantages.estimator == "group":
+            estimator = get_advantage_estimator("group")
+            ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
+            adv = estimator(total, ones, group_ids=group_ids, norm=algo.advantages.norm)[0][:, 0]
+        else:  # GAE: per-token advantages need the critic, computed by the learner
+            adv = torch.zeros_like(total)
+        if algo.filters.zero_variance:
+            keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
+        else:
+            keep = torch.ones_like(reward_rm, dtype=torch.bool)
+        finite = torch.isfinite(total) & torch.isfinite(adv)
+        reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
+                   for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
+        keep = keep & finite
+        out = table.append_column("reward_total", pa.array(total.numpy(), pa.float32()))
+        out = out.append_column("advantage", pa.array(torch.nan_to_num(adv).numpy(), pa.float32()))
+        out = out.append_column("keep", pa.array(keep.numpy(), pa.bool_()))
+        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
+        self._log(out, adv, keep)
+        return out
+
+    def merged(self, name: str, ready: pa.Table, update_moments: bool = False) -> None:
+        """Record a written ready shard in the persisted state (and its statistics if recovering)."""
+        if update_moments and self.ctx.cfg.algo.shaping.normalize:
+            self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()))
+        self.tracker.update(ready.column("prompt_id").to_pylist(), ready.column("correct").to_pylist())
+        self.recent = (self.recent + [name])[-RECENT:]
+        state = {"moments": {k: float(v) for k, v in self.moments.state_dict().items()},
+                 "tracker": self.tracker.state_dict(), "recent": self.recent}
+        self.ctx.store.put_json(self.state_key, state)
+        if self.ctx.cfg.algo.filters.no_positive_resampling.enabled:
+            self.ctx.store.put_json(self.ctx.keys.state("prepare", "retired.json"),
+                                    {"prompt_ids": sorted(self.tracker.retired())})
+
+    def _kl_seq(self, table: pa.Table) -> torch.Tensor:
+        behaviour = torch.from_numpy(padded_column(table, "behavior_logprobs"))
+        ref = torch.from_numpy(padded_column(table, "ref_logprobs"))
+        width = min(behaviour.shape[1], ref.shape[1])
+        lengths = torch.tensor([len(r) for r in table.column("response_token_ids").to_pylist()])
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        kl = kl_penalty(behaviour[:, :width], ref[:, :width], self.ctx.cfg.algo.kl.estimator)
+        return (kl * mask).sum(-1)
+
+    def _log(self, table: pa.Table, adv: torch.Tensor, keep: torch.Tensor) -> None:
+        total = table.column("reward_total").to_numpy()
+        version = int(table.column("policy_version")[0].as_py())
+        rates = [r for r in (self.tracker.pass_rate(p) for p in
+                             set(table.column("prompt_id").to_pylist())) if r is not None]
+        self.ctx.metrics.log(version, {
+            "reward_total_mean": float(total.mean()), "reward_total_std": float(total.std()),
+            "effective_sample_rate": float(keep.float().mean()),
+            "filter_rate": float(1.0 - keep.float().mean()),
+            "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
+            "advantage_abs_max": float(adv.abs().max()),
+            "retired_prompts": float(len(self.tracker.retired())),
+            "prompt_pass_rate_mean": float(np.mean(rates)) if rates else 0.0,
+        })
+
+
+def _init_beta(controller) -> float:
+    return float(getattr(controller, "beta", getattr(controller, "init_beta", 0.0)))

@@ -1,0 +1,88 @@
+"""promote: register the chosen evaluated checkpoint and move the registry aliases."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from ..tracking.mlflow_run import client, find_or_create_run
+from .context import StageContext
+from .policy import WEIGHTS, download_folder, fetch_weights
+
+
+def evaluated(ctx: StageContext) -> dict[int, dict]:
+    """{version: eval summary} of every evaluated version."""
+    keys = ctx.store.list(ctx.keys.root + "eval/")
+    return {int(k.rsplit("/v", 1)[1][:6]): ctx.store.get_json(k) for k in keys if k.endswith(".json")}
+
+
+def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
+    """The version to register: the best by `metric` (latest among equals) or the last."""
+    if how == "last":
+        return max(summaries)
+    return max(summaries, key=lambda v: (summaries[v][metric], v))
+
+
+def main(ctx: StageContext) -> int:
+    cfg = ctx.cfg
+    summaries = evaluated(ctx)
+    if not summaries:
+        ctx.log.error("no evaluated version to promote: did the evaluate stage run?")
+        return 1
+    version = choose(summaries, cfg.promote.metric, cfg.promote.choose)
+    metric = float(summaries[version][cfg.promote.metric])
+    result = {"version": version, "metric": cfg.promote.metric, "value": metric,
+              "baseline": summaries.get(0, {}).get(cfg.promote.metric)}
+    if cfg.tracking.enabled:
+        result.update(register(ctx, version, metric, summaries[version]))
+    ctx.store.put_json(ctx.keys.state("promote", "result.json"), result)
+    ctx.log.info("promote: %s", result)
+    return 0
+
+
+def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
+    download_folder(ctx.store, ctx.keys.policy_prefix(0), folder)
+    if version != 0:
+        save_file(fetch_weights(ctx.store, ctx.keys, version), str(folder / WEIGHTS))
+    (folder / "MANIFEST.json").unlink(missing_ok=True)
+    return folder
+
+
+def register(ctx: StageContext, version: int, metric: float, summary: dict) -> dict:
+    cfg = ctx.cfg
+    name, margin = cfg.promote.model_name, cfg.promote.margin
+    c = client(cfg)
+    run = find_or_create_run(cfg, ctx.run_id, c)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = _assemble(ctx, version, Path(tmp) / "model")
+        path = f"policy-v{version:06d}"
+        c.log_artifacts(run, str(folder), artifact_path=path)
+    source = f"{c.get_run(run).info.artifact_uri}/{path}"
+    try:
+        c.get_registered_model(name)
+    except Exception:
+        c.create_registered_model(name, description="ShardRL policies")
+    tags = {"shardrl.run_id": ctx.run_id, "shardrl.policy_version": str(version),
+            "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
+    tags.update({f"eval.{k}": str(v) for k, v in summary.items() if isinstance(v, float)})
+    mv = c.create_model_version(name, source=source, run_id=run, tags=tags)
+    c.set_registered_model_alias(name, "challenger", mv.version)
+    champion = _alias(c, name, "champion")
+    promoted = False
+    if champion is None or metric > float(champion.tags.get(f"eval.{cfg.promote.metric}", "-inf")) + margin:
+        if champion is not None:
+            c.set_registered_model_alias(name, "previous-champion", champion.version)
+        c.set_registered_model_alias(name, "champion", mv.version)
+        promoted = True
+    c.set_tag(run, "shardrl.registered_version", mv.version)
+    return {"model_name": name, "model_version": mv.version, "champion": promoted,
+            "mlflow_run_id": run, "source": source}
+
+
+def _alias(c, name: str, alias: str):
+    try:
+        return c.get_model_version_by_alias(name, alias)
+    except Exception:
+        return None

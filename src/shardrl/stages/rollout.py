@@ -1,0 +1,114 @@
+"""rollout: sample groups of G responses from the newest policy into rollout shards."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from ..store.schemas import ROLLOUT
+from ..store.shards import write_shard
+from ..tasks.source import make_task
+from .context import StageContext
+from .engine import PolicyEngine
+from .progress import read_progress, shards_per_step
+
+
+def main(ctx: StageContext) -> int:
+    cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
+    rc = cfg.rollout
+    task = make_task(cfg)
+    state_key = keys.state("rollout", f"w{ctx.worker:02d}.json")
+    state = store.get_json(state_key) if store.exists(state_key) else {"next_seq": 0}
+    per_step = shards_per_step(cfg.learner.batch_prompts, rc.prompts_per_shard, ctx.workers)
+    # synchronous training (k=0) must not run ahead of the learner by more than one step
+    backlog_cap = min(rc.max_backlog_shards, (cfg.learner.max_staleness + 1) * per_step)
+    engine = PolicyEngine(ctx, _wait_for_policy(ctx))
+    written, paused = 0, False
+    while not ctx.done():
+        if ctx.once and written >= per_step:
+            break
+        progress = read_progress(store, keys)
+        processed = int(progress.get("processed_by_worker", {}).get(str(ctx.worker), 0))
+        if not ctx.once and state["next_seq"] - processed >= backlog_cap:
+            if not paused:
+                ctx.log.info("backlog of %d shards: pausing", state["next_seq"] - processed)
+                paused = True
+            time.sleep(rc.poll_interval_s)
+            continue
+        paused = False
+        engine.ensure(ctx.latest_version())
+        seq = state["next_seq"]
+        # reserve the sequence number first: a crash leaves a gap, never two shards with one name
+        state = {"next_seq": seq + 1, "version": engine.version}
+        store.put_json(state_key, state)
+        items = _prompts(ctx, task, seq)
+        started = time.monotonic()
+        groups = engine.engine.generate(engine.encode([it.prompt for it in items]), rc.group_size,
+                                        temperature=rc.temperature, top_p=rc.top_p,
+                                        max_new_tokens=rc.max_new_tokens,
+                                        seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
+        seconds = time.monotonic() - started
+        table = _table(ctx, engine, items, groups, seq)
+        write_shard(store, keys.rollout(engine.version, ctx.worker, seq), table, ROLLOUT)
+        written += 1
+        _log_metrics(ctx, engine.version, table, seconds)
+    return 0
+
+
+def _wait_for_policy(ctx: StageContext) -> int:
+    while (version := ctx.latest_version()) is None:
+        time.sleep(ctx.cfg.rollout.poll_interval_s)
+    return version
+
+
+def _prompts(ctx: StageContext, task, seq: int):
+    n = ctx.cfg.rollout.prompts_per_shard
+    npr = ctx.cfg.algo.filters.no_positive_resampling
+    if not npr.enabled:
+        return task.train_items(ctx.worker, seq, n)
+    key = ctx.keys.state("prepare", "retired.json")
+    retired = set(ctx.store.get_json(key)["prompt_ids"]) if ctx.store.exists(key) else set()
+    fresh = [it for it in task.train_items(ctx.worker, seq, 4 * n) if it.prompt_id not in retired]
+    return fresh[:n] or task.train_items(ctx.worker, seq, n)
+
+
+def _table(ctx: StageContext, engine: PolicyEngine, items, groups, seq: int) -> pa.Table:
+    cols: dict[str, list] = {name: [] for name in ROLLOUT.names}
+    now = time.time()
+    for i, (item, samples) in enumerate(zip(items, groups, strict=True)):
+        prompt_ids = engine.encode([item.prompt])[0]
+        group_id = f"w{ctx.worker:02d}-{seq:06d}-{i:03d}"
+        for j, s in enumerate(samples):
+            cols["prompt_id"].append(item.prompt_id)
+            cols["group_id"].append(group_id)
+            cols["sample_idx"].append(j)
+            cols["policy_version"].append(engine.version)
+            cols["worker"].append(ctx.worker)
+            cols["prompt_text"].append(item.prompt)
+            cols["prompt_token_ids"].append(prompt_ids)
+            cols["response_token_ids"].append(s.token_ids)
+            cols["behavior_logprobs"].append(s.logprobs)
+            cols["finish_reason"].append(s.finish_reason)
+            cols["response_text"].append(engine.decode(s.token_ids))
+            cols["answer"].append(item.answer)
+            cols["category"].append(item.category)
+            cols["created_at"].append(now)
+    return pa.table(cols)
+
+
+def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float) -> None:
+    lengths = np.array([len(r) for r in table.column("response_token_ids").to_pylist()])
+    truncated = np.array(table.column("finish_reason").to_pylist()) == "length"
+    latest = ctx.latest_version() or version
+    ctx.metrics.log(version, {
+        "response_length_mean": float(lengths.mean()),
+        "response_length_p50": float(np.percentile(lengths, 50)),
+        "response_length_p90": float(np.percentile(lengths, 90)),
+        "response_length_max": float(lengths.max()),
+        "truncation_rate": float(truncated.mean()),
+        "tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+        "version_lag": float(latest - version),
+        "samples": float(len(lengths)),
+    })

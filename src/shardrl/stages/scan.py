@@ -1,0 +1,76 @@
+"""Finding work without listing the whole run.
+
+A stage that turns shards of kind `src` into shards of kind `dst` lists only the versions
+that are still *open* for it. Version `v` closes for a stage once no more input can appear
+there: upstream has closed `v` (for the first stage: every rollout worker has moved past
+`v`) and every input of `v` has been handled. Each stage publishes the lowest open version
+as its cursor (`state/<stage>/cursor.json`), so downstream stages and restarts start there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..store import RunKeys, Store
+from ..store.keys import ShardKind
+
+UPSTREAM = {"score": None, "prepare": "score", "learn": "prepare"}
+
+
+def shard_name(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def rollout_workers_past(store: Store, keys: RunKeys, workers: int) -> int:
+    """The lowest version any rollout worker may still write (min over workers)."""
+    low = None
+    for w in range(workers):
+        key = keys.state("rollout", f"w{w:02d}.json")
+        version = int(store.get_json(key).get("version", 0)) if store.exists(key) else 0
+        low = version if low is None else min(low, version)
+    return low or 0
+
+
+def read_cursor(store: Store, keys: RunKeys, stage: str) -> int:
+    key = keys.state(stage, "cursor.json")
+    return int(store.get_json(key)["low"]) if store.exists(key) else 0
+
+
+class Scanner:
+    """Lists the open versions of `src` and returns the keys `handled` does not cover."""
+
+    def __init__(self, store: Store, keys: RunKeys, stage: str, src: ShardKind,
+                 rollout_workers: int, handled: Callable[[int], set[str]]) -> None:
+        self.store, self.keys, self.stage, self.src = store, keys, stage, src
+        self.rollout_workers = rollout_workers
+        self.handled = handled
+        """version -> shard names already handled by this stage (outputs, ledger)."""
+        self.low = read_cursor(store, keys, stage)
+
+    def upstream_low(self) -> int:
+        upstream = UPSTREAM[self.stage]
+        if upstream is None:
+            return rollout_workers_past(self.store, self.keys, self.rollout_workers)
+        return read_cursor(self.store, self.keys, upstream)
+
+    def poll(self, newest: int) -> list[str]:
+        """Unhandled input keys of the open versions up to `newest`, oldest version first."""
+        closed_below = self.upstream_low()
+        todo: list[str] = []
+        low = self.low
+        for version in range(self.low, newest + 1):
+            inputs = self.store.list(self.keys.version_prefix(self.src, version))
+            done = self.handled(version)
+            pending = [k for k in inputs if shard_name(k) not in done]
+            todo.extend(pending)
+            if version == low and version < closed_below and not pending:
+                low = version + 1
+        if low != self.low:
+            self.low = low
+            self.store.put_json(self.keys.state(self.stage, "cursor.json"), {"low": low})
+        return todo
+
+
+def output_names(store: Store, keys: RunKeys, kind: ShardKind) -> Callable[[int], set[str]]:
+    """`handled` for a stage whose output for an input is a shard of `kind` with the same name."""
+    return lambda version: {shard_name(k) for k in store.list(keys.version_prefix(kind, version))}

@@ -1,0 +1,80 @@
+"""snapshot: build or load the base model, SFT it, publish ref/, policy/v000000/ and run.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..config.model import PretrainedModel
+from ..models.io import check_tokenizers_match, load_causal_lm, load_tokenizer, save_model
+from ..models.tiny import build_tiny_model, train_tokenizer
+from ..tasks.source import make_task
+from .context import StageContext
+from .policy import point_latest, upload_folder
+from .sft import train_sft
+
+
+def main(ctx: StageContext) -> int:
+    cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
+    if store.exists(keys.run_json()):
+        ctx.log.info("run %s already has a snapshot; nothing to do", ctx.run_id)
+        return 0
+    task = make_task(cfg)
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model, tokenizer = _initial_model(ctx, task, work)
+        ctx.log.info("policy has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+        sft_info = None
+        if cfg.model.sft.enabled:
+            sft = cfg.model.sft
+            pairs = task.demonstrations(sft.demonstrations)
+            n_val = max(1, int(len(pairs) * sft.validation_fraction))
+            val = [(it.prompt, it.answer) for it in task.validation] or pairs[:n_val]
+            result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed)
+            sft_info = dataclasses.asdict(result) | {"demonstrations": len(pairs)}
+            ctx.log.info("sft done: %s", sft_info)
+        policy_dir = work / "policy"
+        save_model(model, tokenizer, policy_dir)
+        ref_dir = _reference(ctx, policy_dir, tokenizer, work)
+        upload_folder(store, keys.ref_prefix(), ref_dir)
+        upload_folder(store, keys.policy_prefix(0), policy_dir)
+    point_latest(store, keys, 0)
+    store.put_json(keys.run_json(), {
+        "run_id": ctx.run_id, "version": __version__, "created": started,
+        "config": cfg.model_dump(mode="json"), "config_hash": cfg.config_hash(),
+        "sft": sft_info, "snapshot_seconds": time.time() - started,
+    })
+    if sft_info:
+        ctx.metrics.log(0, {"sft_val_loss": sft_info["best_val_loss"],
+                            "sft_epochs": sft_info["epochs"]})
+    return 0
+
+
+def _initial_model(ctx: StageContext, task, work: Path):
+    source = ctx.cfg.model.source
+    if isinstance(source, PretrainedModel):
+        return load_causal_lm(source.path), load_tokenizer(source.path)
+    texts = task.corpus + [p + a for p, a in task.demonstrations(ctx.cfg.model.sft.demonstrations)]
+    tokenizer = train_tokenizer(texts, work / "tokenizer")
+    model = build_tiny_model(
+        tokenizer, hidden_size=source.hidden_size, num_layers=source.num_layers,
+        num_heads=source.num_heads, intermediate_size=source.intermediate_size,
+        max_position_embeddings=source.max_position_embeddings, seed=ctx.cfg.seed,
+    )
+    return model, tokenizer
+
+
+def _reference(ctx: StageContext, policy_dir: Path, tokenizer, work: Path) -> Path:
+    """The folder to publish as ref/: the SFT policy itself, or a given model checked to match."""
+    ref = ctx.cfg.model.reference
+    if ref in ("initial", "none"):
+        return policy_dir
+    ref_tok = load_tokenizer(ref)
+    check_tokenizers_match(tokenizer, ref_tok)
+    out = work / "ref"
+    save_model(load_causal_lm(ref), ref_tok, out)
+    return out

@@ -1,0 +1,91 @@
+"""The task a run trains on, as the stages see it: prompts, demonstrations, held-out items."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config import RunConfig
+from ..config.data import BuiltinTask as BuiltinTaskConfig
+from .builtin import BuiltinTask, TaskItem
+
+# validation items kept apart from the demonstrations to detect the SFT plateau
+VALIDATION_ITEMS = 256
+
+
+def _mix(*parts: int) -> int:
+    blob = ",".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "big") >> 1
+
+
+@dataclass
+class TaskData:
+    """Uniform access to a built-in task or a user dataset."""
+
+    train_items: Callable[[int, int, int], list[TaskItem]]
+    """(worker, seq, n) -> n training prompts, deterministic per (worker, seq)."""
+    demonstrations: Callable[[int], list[tuple[str, str]]]
+    """n -> (prompt, answer) pairs for SFT."""
+    validation: list[TaskItem]
+    """Items for SFT plateau detection (never the held-out ones)."""
+    heldout: list[TaskItem]
+    """The fixed evaluation split."""
+    verify: Callable[[str, str], float]
+    """The task's own checker (response, answer) -> reward."""
+    corpus: list[str] = field(default_factory=list)
+    """Texts covering the task's characters (to train a tokenizer)."""
+
+
+def make_task(cfg: RunConfig) -> TaskData:
+    source = cfg.task.source
+    if isinstance(source, BuiltinTaskConfig):
+        return _builtin(cfg, source)
+    return _dataset(cfg)
+
+
+def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
+    task = BuiltinTask()
+
+    def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
+        stream = task.train_prompts(_mix(cfg.seed, source.seed, worker, seq))
+        return list(itertools.islice(stream, n))
+
+    def demonstrations(n: int) -> list[tuple[str, str]]:
+        return task.demonstrations(n, cfg.seed + source.seed)
+
+    validation = task.validation(VALIDATION_ITEMS)
+    heldout = task.heldout(source.heldout_size)
+    corpus = ["0123456789+=-*/ ()"] + [it.prompt + it.answer for it in heldout[:64]]
+    return TaskData(train_items, demonstrations, validation, heldout, task.verify, corpus)
+
+
+def _dataset(cfg: RunConfig) -> TaskData:
+    from .datasets import load_items
+
+    source = cfg.task.source
+    train = [_templated(it, source.prompt_template) for it in load_items(source.train_path)]
+    heldout = [_templated(it, source.prompt_template) for it in load_items(source.eval_path)]
+    if not train or not heldout:
+        raise ValueError("task dataset: both train_path and eval_path need at least one row")
+    n_val = min(VALIDATION_ITEMS, max(1, len(train) // 10))
+    validation, pool = train[:n_val], train[n_val:] or train
+
+    def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
+        start = _mix(cfg.seed, worker, seq) % len(pool)
+        return [pool[(start + i) % len(pool)] for i in range(n)]
+
+    def demonstrations(n: int) -> list[tuple[str, str]]:
+        return [(it.prompt, it.answer) for it in pool[:n]]
+
+    from .verifiers import exact_match
+
+    corpus = [it.prompt + it.answer for it in train[:10_000]]
+    return TaskData(train_items, demonstrations, validation, heldout, exact_match, corpus)
+
+
+def _templated(item: TaskItem, template: str) -> TaskItem:
+    if template == "{prompt}":
+        return item
+    return TaskItem(item.prompt_id, template.format(prompt=item.prompt), item.answer, item.category)

@@ -1,0 +1,1 @@
+"""MLflow: one run per pipeline run, namespaced metrics, the model registry."""

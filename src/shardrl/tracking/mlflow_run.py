@@ -1,0 +1,92 @@
+"""Finding or creating the MLflow run of a pipeline run, and logging to it.
+
+SQLite takes one writer at a time: locally the runner is the only process that logs
+metrics (it forwards the stages' metric chunks from the store); the promote stage writes
+once, after the others stopped. Against an MLflow server any stage may write.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..config import RunConfig
+
+RUN_TAG = "shardrl.run_id"
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts beside a SQLite database (not wherever the process happens to run)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "sqlite":
+        return None
+    db = Path(uri[len("sqlite:///"):]).resolve()
+    return (db.parent / "mlartifacts").as_uri()
+
+
+def client(cfg: RunConfig):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def experiment_id(cfg: RunConfig, c) -> str:
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    return c.create_experiment(cfg.tracking.experiment,
+                               artifact_location=_artifact_root(tracking_uri(cfg)))
+
+
+def find_or_create_run(cfg: RunConfig, run_id: str, c=None) -> str:
+    """The MLflow run id tagged with this pipeline run id (created with params if missing)."""
+    c = c or client(cfg)
+    exp = experiment_id(cfg, c)
+    found = c.search_runs([exp], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = c.create_run(exp, run_name=run_id, tags={RUN_TAG: run_id,
+                                                  "shardrl.config_hash": cfg.config_hash()})
+    params = flatten(cfg.model_dump(mode="json"))
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        c.log_batch(run.info.run_id, params=items[i: i + 100])
+    return run.info.run_id
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def log_points(c, mlflow_run: str, points: list[tuple[str, int, float, float]]) -> None:
+    """Log (name, step, value, time) points in batches, retrying a locked SQLite database."""
+    from mlflow.entities import Metric
+
+    metrics = [Metric(n, v, int(t * 1000), s) for n, s, v, t in points]
+    for i in range(0, len(metrics), 500):
+        for attempt in range(10):
+            try:
+                c.log_batch(mlflow_run, metrics=metrics[i: i + 500])
+                break
+            except Exception as exc:  # sqlite "database is locked" under contention
+                if "locked" not in str(exc) or attempt == 9:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
