@@ -1,0 +1,249 @@
+"""Run untrusted reward code in a limited subprocess.
+
+Each call starts `python -I` (isolated: no PYTHON* variables, no user site) in a fresh
+temporary working directory with stdin from /dev/null and a minimal environment (PATH,
+LANG, HOME and TMPDIR pointing at the working directory): credentials in the parent's
+environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) never reach it. Before any untrusted code
+runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
+(bytes written to any file, stdout included) and RLIMIT_CORE=0; the parent enforces the
+wall-clock limit and kills the child's whole process group. The result comes back as JSON
+over a private pipe. Failures never raise here: they come back as an error string,
+"timeout", "memory" or "crashed: ...".
+
+Not isolated: network and the file system (the child runs as the same user). Code that a
+verifier executes in its own process can forge that process's result; `run_python_snippet`
+avoids this by judging only the snippet's stdout in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAX_ERROR_CHARS = 500
+
+# Runs in the child. argv: request file, result pipe fd. Limits first, then the work.
+_BOOTSTRAP = r"""
+import json, os, resource, sys
+with open(sys.argv[1]) as fh:
+    req = json.load(fh)
+os.unlink(sys.argv[1])
+fd = int(sys.argv[2])
+def report(msg):
+    os.write(fd, json.dumps(msg).encode())
+cpu = req["cpu_seconds"]
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (req["memory_bytes"], req["memory_bytes"]))
+resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+sys.path[:0] = req["sys_path"]
+try:
+    if req["mode"] == "snippet":
+        try:
+            exec(compile(req["code"], "<snippet>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+        value = None
+    else:
+        import importlib
+        module, _, attr = req["target"].partition(":")
+        fn = importlib.import_module(module)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+        value = fn(*req["args"])
+    sys.stdout.flush()
+    report({"value": value})
+except MemoryError:
+    report({"error": "memory"})
+except BaseException as exc:
+    report({"error": ("crashed: %s: %s" % (type(exc).__name__, exc))[:%(max_error)d]})
+""".replace("%(max_error)d", str(MAX_ERROR_CHARS))
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-call limits (defaults match the run config's `reward.sandbox`)."""
+
+    cpu_seconds: float = 2.0
+    memory_mb: int = 512
+    wall_seconds: float = 5.0
+    output_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a sandboxed call produced: a JSON value, the captured stdout, or an error."""
+
+    value: Any = None
+    stdout: str = ""
+    error: str | None = None
+
+
+class SandboxError(RuntimeError):
+    """A sandboxed verifier failed; the message is the error string itself ("timeout", ...)."""
+
+
+def clean_env(workdir: str) -> dict[str, str]:
+    """The child's whole environment: nothing inherited from the parent."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+    }
+
+
+def _parent_sys_path() -> list[str]:
+    return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+
+
+def _read_available(fd: int) -> bytes:
+    """Everything written to the pipe so far (never blocks on a stray writer)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)
+
+
+def _classify(returncode: int, message: dict | None, stderr: str, snippet: bool) -> str | None:
+    """The error string for a finished child, or None if it succeeded."""
+    if message is not None:
+        return message.get("error")
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        # SIGXCPU at the soft CPU limit, SIGKILL at the hard one (if SIGXCPU was ignored).
+        return "timeout"
+    if returncode < 0:
+        return f"crashed: signal {signal.Signals(-returncode).name}"
+    if returncode == 0 and snippet:  # e.g. os._exit(0) after printing: a normal end
+        return None
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    detail = lines[-1] if lines else "no result"
+    return f"crashed: exit code {returncode}: {detail}"[:MAX_ERROR_CHARS]
+
+
+def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
+    snippet = request["mode"] == "snippet"
+    request = {
+        **request,
+        "cpu_seconds": max(1, round(limits.cpu_seconds)),
+        "memory_bytes": limits.memory_mb * 1024 * 1024,
+        "output_bytes": limits.output_bytes,
+    }
+    with tempfile.TemporaryDirectory(prefix="shardrl-sandbox-", ignore_cleanup_errors=True) as work:
+        req_path = Path(work) / "request.json"
+        req_path.write_text(json.dumps(request))
+        read_fd, write_fd = os.pipe()
+        try:
+            with (
+                open(Path(work) / ".stdout", "wb") as out,
+                open(Path(work) / ".stderr", "wb") as err,
+            ):
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-c", _BOOTSTRAP, str(req_path), str(write_fd)],
+                    cwd=work,
+                    env=clean_env(work),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                )
+            os.close(write_fd)
+            write_fd = -1
+            try:
+                proc.wait(timeout=limits.wall_seconds)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            try:  # the whole group: nothing the child started outlives the call
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raw = _read_available(read_fd)
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+        stdout = (Path(work) / ".stdout").read_bytes()[: limits.output_bytes]
+        stderr = (Path(work) / ".stderr").read_bytes()[-4096:].decode(errors="replace")
+    text = stdout.decode(errors="replace")
+    if timed_out:
+        return SandboxResult(stdout=text, error="timeout")
+    try:
+        message = json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        message = {"error": "crashed: unreadable result"}
+    error = _classify(proc.returncode, message, stderr, snippet)
+    if error is not None:
+        return SandboxResult(stdout=text, error=error)
+    return SandboxResult(value=message.get("value") if message else None, stdout=text)
+
+
+def run_sandboxed_call(target: str, args: list[Any], limits: SandboxLimits) -> SandboxResult:
+    """Call `package.module:function(*args)` in the sandbox; args and result go as JSON.
+
+    The child sees the parent's `sys.path`, so whatever the parent can import it can too.
+    """
+    return _run(
+        {"mode": "call", "target": target, "args": args, "sys_path": _parent_sys_path()}, limits
+    )
+
+
+def run_python_snippet(code: str, limits: SandboxLimits) -> SandboxResult:
+    """Execute Python source as `__main__` in the sandbox and capture its stdout."""
+    return _run({"mode": "snippet", "code": code, "sys_path": []}, limits)
+
+
+def sandboxed_verifier(dotted_path: str, limits: SandboxLimits):
+    """A verifier `(response, answer) -> float` that runs `dotted_path` in the sandbox.
+
+    A failure raises `SandboxError(error)`; `verifiers.run_verifier` turns it into reward 0.0.
+    """
+
+    def verifier(response: str, answer: str) -> float:
+        result = run_sandboxed_call(dotted_path, [response, answer], limits)
+        if result.error is not None:
+            raise SandboxError(result.error)
+        return result.value
+
+    verifier.__name__ = f"sandboxed[{dotted_path}]"
+    return verifier
+
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(response: str) -> str:
+    """The last fenced code block of a response, or the whole response if there is none."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def python_exec_verifier(limits: SandboxLimits):
+    """A verifier that runs the response's Python code and compares its stdout to the answer.
+
+    Reward 1.0 when the stripped stdout equals the stripped answer, else 0.0; a snippet
+    that fails raises `SandboxError` ("timeout", "memory", "crashed: ...").
+    """
+
+    def python_exec(response: str, answer: str) -> float:
+        result = run_python_snippet(extract_code(response), limits)
+        if result.error is not None:
+            raise SandboxError(result.error)
+        return 1.0 if result.stdout.strip() == answer.strip() else 0.0
+
+    return python_exec

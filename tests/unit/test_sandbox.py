@@ -1,0 +1,124 @@
+"""Sandbox: limits hold, failures come back as errors, the environment stays clean."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shardrl.tasks.sandbox import (
+    SandboxLimits,
+    extract_code,
+    run_python_snippet,
+    run_sandboxed_call,
+    sandboxed_verifier,
+)
+from shardrl.tasks.verifiers import get_verifier, run_verifier
+
+REWARD_CODE = """
+import os, sys, time
+
+def good(response, answer):
+    return 1.0 if response.strip() == answer else 0.0
+
+def spin(response, answer):
+    while True:
+        pass
+
+def sleep(response, answer):
+    time.sleep(60)
+
+def hog(response, answer):
+    return float(len(bytearray(4 * 1024**3)))
+
+def crash(response, answer):
+    raise ValueError("boom")
+
+def abort(response, answer):
+    os.abort()
+
+def surroundings():
+    return {"env": sorted(os.environ), "cwd": os.getcwd(), "stdin": sys.stdin.read()}
+"""
+
+LIMITS = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=4)
+
+
+@pytest.fixture()
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "reward_fns.py").write_text(REWARD_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "reward_fns"
+
+
+def test_good_verifier_returns_one(reward_module):
+    verifier = sandboxed_verifier(f"{reward_module}:good", LIMITS)
+    assert run_verifier(verifier, " 42 ", "42") == (1.0, None)
+    assert run_verifier(verifier, "41", "42") == (0.0, None)
+
+
+def test_infinite_loop_times_out_within_the_wall_limit(reward_module):
+    started = time.monotonic()
+    limits = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=2)
+    reward, error = run_verifier(sandboxed_verifier(f"{reward_module}:spin", limits), "", "")
+    assert (reward, error) == (0.0, "timeout")
+    # The CPU limit (1 s) or, on a busy machine, the wall limit (2 s) stops it; allow
+    # start-up and kill time.
+    assert time.monotonic() - started < limits.wall_seconds + 1.5
+
+
+def test_sleeping_code_hits_the_wall_clock_limit(reward_module):
+    limits = SandboxLimits(cpu_seconds=5, memory_mb=256, wall_seconds=1)
+    started = time.monotonic()
+    assert run_sandboxed_call(f"{reward_module}:sleep", ["", ""], limits).error == "timeout"
+    assert time.monotonic() - started < 2.5
+
+
+def test_huge_allocation_is_a_memory_error(reward_module):
+    verifier = sandboxed_verifier(f"{reward_module}:hog", LIMITS)  # 4 GiB under a 256 MiB cap
+    assert run_verifier(verifier, "", "") == (0.0, "memory")
+
+
+def test_crashes_are_reported(reward_module):
+    assert run_verifier(sandboxed_verifier(f"{reward_module}:crash", LIMITS), "", "") == (
+        0.0,
+        "crashed: ValueError: boom",
+    )
+    assert run_verifier(sandboxed_verifier(f"{reward_module}:abort", LIMITS), "", "") == (
+        0.0,
+        "crashed: signal SIGABRT",
+    )
+
+
+def test_credentials_do_not_reach_the_child(reward_module, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("SHARDRL_STORE_TOKEN", "secret")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "secret")
+    result = run_sandboxed_call(f"{reward_module}:surroundings", [], LIMITS)
+    assert result.error is None
+    assert result.value["env"] == ["HOME", "LANG", "PATH", "TMPDIR"]
+    assert "shardrl-sandbox-" in result.value["cwd"]  # its own temporary directory
+    assert result.value["stdin"] == ""  # stdin is /dev/null
+
+
+def test_python_exec_compares_stdout_and_stays_sandboxed():
+    python_exec = get_verifier("python_exec", limits=LIMITS)
+    response = "Here is the code:\n```python\nprint(sum(range(10)))\n```\nDone."
+    assert run_verifier(python_exec, response, "45") == (1.0, None)  # 0+1+...+9 = 45
+    assert run_verifier(python_exec, "print(44)", "45") == (0.0, None)
+    assert run_verifier(python_exec, "x = bytearray(10**10)", "45") == (0.0, "memory")
+    assert run_verifier(python_exec, "import sys; sys.exit(2)", "") == (
+        0.0,
+        "crashed: SystemExit: 2",
+    )
+
+
+def test_snippet_output_is_capped():
+    limits = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=4, output_bytes=1000)
+    result = run_python_snippet("print('x' * 5000)", limits)
+    assert result.error.startswith("crashed: OSError") and "File too large" in result.error
+
+
+def test_extract_code_takes_the_last_fenced_block():
+    assert extract_code("```py\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
+    assert extract_code("print(3)") == "print(3)"

@@ -1,0 +1,96 @@
+"""Verifiers: registry, answer extraction, and failures turned into reward 0 with a reason."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from shardrl.tasks.verifiers import (
+    VerifierError,
+    exact_match,
+    final_answer,
+    get_verifier,
+    last_number,
+    math_final_answer,
+    numeric,
+    parse_number,
+    run_verifier,
+)
+
+
+def test_exact_match_strips_whitespace_only():
+    assert exact_match("  432\n", "432") == 1.0
+    assert exact_match("432.", "432") == 0.0
+    assert exact_match("Paris", "paris") == 0.0
+
+
+def test_parse_number_forms():
+    assert parse_number("1,234") == 1234
+    assert parse_number("-0.5") == Fraction(-1, 2)
+    assert parse_number("3/4") == Fraction(3, 4)
+    assert parse_number("\\frac{3}{4}") == Fraction(3, 4)
+    assert parse_number("$2e3$.") == 2000
+    assert parse_number("x+1") is None
+    assert parse_number("1/0") is None
+
+
+def test_last_number_takes_the_last_one():
+    assert last_number("3 apples and 1,250.5 pears") == Fraction(2501, 2)
+    assert last_number("10-3 is 7") == 7
+    assert last_number("no digits") is None
+
+
+def test_numeric_tolerance():
+    assert numeric("so it is 3.1415927", "3.14159265") == 1.0  # relative error 1.6e-8 < 1e-6
+    assert numeric("so it is 3.14", "3.14159265") == 0.0  # relative error 5e-4
+    assert numeric("1,000", "1000") == 1.0
+    assert numeric("nothing", "5") == 0.0
+    with pytest.raises(ValueError, match="not a number"):
+        numeric("5", "five")
+
+
+def test_final_answer_priority():
+    # boxed beats "answer is", which beats "####", which beats the last number.
+    assert final_answer("answer is 3, but \\boxed{\\frac{1}{2}} and 9") == "\\frac{1}{2}"
+    assert final_answer("#### 5\nThe answer is 1,000 apples. Then 7") == "1,000"
+    assert final_answer("work 3 + 4\n#### 72") == "72"
+    assert final_answer("we get 3 then 8") == "8"
+    assert final_answer("\\boxed{a{b}c}") == "a{b}c"
+    assert final_answer("no answer here") is None
+
+
+def test_math_final_answer_normalises():
+    assert math_final_answer("The answer is $\\frac{3}{4}$.", "0.75") == 1.0
+    assert math_final_answer("\\boxed{1,000}", "1000") == 1.0
+    assert math_final_answer("\\boxed{2/4}", "1/2") == 1.0
+    assert math_final_answer("answer is x + 1, clearly", "X+1") == 1.0
+    assert math_final_answer("\\boxed{0.33}", "1/3") == 0.0
+    assert math_final_answer("nothing", "1") == 0.0
+
+
+def test_get_verifier_by_name_and_dotted_path():
+    assert get_verifier("exact_match") is exact_match
+    assert get_verifier("shardrl.tasks.verifiers:numeric") is numeric
+    with pytest.raises(VerifierError, match="neither a registered name"):
+        get_verifier("no_such_verifier")
+    with pytest.raises(VerifierError, match="cannot load verifier"):
+        get_verifier("shardrl.tasks.verifiers:missing")
+
+
+def test_run_verifier_never_raises():
+    def boom(response, answer):
+        raise RuntimeError("bad regex")
+
+    assert run_verifier(exact_match, "1", "1") == (1.0, None)
+    assert run_verifier(boom, "1", "1") == (0.0, "RuntimeError: bad regex")
+    assert run_verifier(lambda r, a: float("nan"), "1", "1") == (
+        0.0,
+        "verifier returned non-finite nan",
+    )
+    assert run_verifier(lambda r, a: "1.0", "1", "1") == (
+        0.0,
+        "verifier returned str, expected a float",
+    )
+    assert run_verifier(lambda r, a: True, "1", "1") == (1.0, None)
+    assert run_verifier(numeric, "5", "five") == (0.0, "ValueError: answer 'five' is not a number")
