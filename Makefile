@@ -16,6 +16,7 @@ help:
 	@echo "make bench             benchmarks -> bench/results.json, bench/RESULTS.md"
 	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
 	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset"
+	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,3 +44,30 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# ---- Kubeflow ----------------------------------------------------------------------------
+# make pipeline-compile [CONFIG=...] [K8S_MANIFEST=1] [IMAGE_REGISTRY=...] [IMAGE_TAG=...]
+# [KFP_HOST=...] make pipeline-run [CONFIG=...] [WAIT=1] [PIPELINE=shardrl-sync] [EXPERIMENT=...]
+# make images [IMAGE_REGISTRY=...] [IMAGE_TAG=...]   (tags default to the package version)
+PIPELINE_DIR   ?= build/pipelines
+PIPELINE       ?= shardrl
+EXPERIMENT     ?= shardrl
+IMAGE_REGISTRY ?=
+IMAGE_TAG      ?=
+IMAGE_FLAGS    := $(if $(IMAGE_REGISTRY),--image-registry $(IMAGE_REGISTRY)) $(if $(IMAGE_TAG),--image-tag $(IMAGE_TAG))
+
+pipeline-compile: $(STAMP)
+	$(PY) -m pipelines.shardrl $(CONFIG) --out-dir $(PIPELINE_DIR) $(IMAGE_FLAGS) \
+		$(if $(filter 1,$(K8S_MANIFEST)),--kubernetes-manifest-format)
+
+pipeline-run: $(STAMP)
+	$(VENV)/bin/shardrl pipeline run $(CONFIG) --pipeline $(PIPELINE) --experiment $(EXPERIMENT) \
+		$(if $(filter 1,$(WAIT)),--wait)
+
+images: $(STAMP)
+	@command -v docker >/dev/null || { echo "make images needs docker"; exit 1; }
+	@refs="$$($(PY) -m components $(subst --image-,--,$(IMAGE_FLAGS)))" || exit 1; \
+	echo "$$refs" | while read -r ref dockerfile; do \
+		echo "building $$ref from $$dockerfile"; \
+		docker build -f "$$dockerfile" -t "$$ref" . && docker push "$$ref" || exit 1; \
+	done

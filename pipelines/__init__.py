@@ -1,0 +1,1 @@
+"""Kubeflow pipelines of ShardRL: definitions, compilation and submission."""

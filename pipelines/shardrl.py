@@ -1,0 +1,209 @@
+"""The ShardRL Kubeflow pipelines, built from the one stage graph.
+
+- `shardrl`: snapshot -> concurrently rollout workers (a ParallelFor when there is more than
+  one), score, prepare, learn, evaluate -> promote after learn and evaluate. The looping stages
+  end by themselves on DONE.json.
+- `shardrl-sync`: snapshot -> rounds, one after another (ParallelFor with parallelism 1), of
+  rollout -> score -> prepare -> learn -> evaluate, each `--once` -> promote. For clusters that
+  forbid long-running pods.
+
+The pipelines' shape (replicas, images, resources, retries, timeout, number of rounds) is fixed
+at compile time from a run config; the `config` parameter (the config pasted as YAML, a preset
+name or a path in the image) drives everything else in the stages. Credentials come from
+Kubernetes Secrets (`pipelines.cluster`), never from parameters.
+
+Run as a script to compile: `python -m pipelines.shardrl [CONFIG] --out-dir build/pipelines`.
+"""
+
+# No `from __future__ import annotations`: KFP reads the parameters' types from annotations.
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+from components import STAGE_IMAGES, image_ref, stage_component
+from kfp import compiler, dsl, kubernetes
+from kfp.compiler.compiler_utils import KubernetesManifestOptions
+from kfp.dsl.base_component import BaseComponent
+
+from shardrl import __version__
+from shardrl.config import RunConfig, load_config
+from shardrl.orchestrate.graph import STAGES, StageSpec, stage
+
+from .cluster import DEFAULT_STORE, STAGE_SECRETS
+
+PIPELINE_NAMES: tuple[str, ...] = ("shardrl", "shardrl-sync")
+RETRY_BACKOFF = ("30s", 2.0, "3600s")
+"""Backoff of a failed task's retries: first delay, growth factor, longest retry window."""
+
+_DESCRIPTIONS = {
+    "shardrl": "Asynchronous RL fine-tuning: snapshot, then rollout workers, score, prepare, "
+               "learn and evaluate run concurrently until the learner writes DONE.json; "
+               "promote registers the chosen checkpoint in MLflow.",
+    "shardrl-sync": "Synchronous RL fine-tuning in rounds of short pods (rollout, score, "
+                    "prepare, learn, evaluate, each once per round), then promote.",
+}
+_PARAM_DOCS = {
+    "config": "The run config: paste the YAML of a config (the default is the config the "
+              "pipeline was compiled from), or give a preset name (demo, scalerl, ppo-rlhf) or "
+              "a path inside the image. Workers, resources and images are fixed at compile time.",
+    "store": "Object store URI; the run's shards and checkpoints go under "
+             "{store}/runs/{run id}/. Credentials and endpoint come from the shardrl-s3 Secret.",
+}
+_PARAMS_DOC = "Run ShardRL on Kubeflow.\n\nArgs:\n" + "".join(
+    f"    {name}: {text}\n" for name, text in _PARAM_DOCS.items())
+
+
+def config_text(cfg: RunConfig) -> str:
+    """The resolved config as self-contained YAML: the default of the `config` parameter."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def sync_rounds(cfg: RunConfig) -> int:
+    """Rounds of the sync pipeline: one learner step (one policy version) per round."""
+    return cfg.learner.total_steps
+
+
+def stage_image(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None = None) -> str:
+    """The image reference that runs `spec` under `cfg`."""
+    return image_ref(STAGE_IMAGES[spec.image(cfg)], registry, tag)
+
+
+def configure_task(task: dsl.PipelineTask, spec: StageSpec, cfg: RunConfig) -> dsl.PipelineTask:
+    """Resources, retries, timeout, caching and secrets of one stage task."""
+    res = getattr(cfg.pipeline.resources, spec.name)
+    task.set_display_name(spec.name)
+    # Stages work on the store, not on KFP outputs: a cached task would skip real work.
+    task.set_caching_options(enable_caching=False)
+    task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
+    task.set_memory_request(res.memory).set_memory_limit(res.memory)
+    if res.gpus > 0:
+        task.set_accelerator_type(res.gpu_type).set_accelerator_limit(res.gpus)
+    if cfg.pipeline.max_restarts > 0:
+        delay, factor, window = RETRY_BACKOFF
+        task.set_retry(num_retries=cfg.pipeline.max_restarts, backoff_duration=delay,
+                       backoff_factor=factor, backoff_max_duration=window)
+    # The pod's activeDeadlineSeconds: Kubernetes stops a stage that runs past its limit.
+    kubernetes.set_timeout(task, cfg.pipeline.stage_timeout_s)
+    for secret in STAGE_SECRETS:
+        kubernetes.use_secret_as_env(task, secret_name=secret.name,
+                                     secret_key_to_env={k: k for k in secret.keys},
+                                     optional=secret.optional)
+    return task
+
+
+def _add_stage(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None,
+               params: dict, upstream: list[dsl.PipelineTask], once: bool) -> dsl.PipelineTask:
+    """One stage's task, fanned out over a ParallelFor when it has several replicas."""
+    replicas = spec.replicas(cfg)
+    component = stage_component(spec.name, stage_image(spec, cfg, registry, tag),
+                                workers=replicas, once=once)
+    if replicas == 1:
+        return configure_task(component(**params), spec, cfg).after(*upstream)
+    with dsl.ParallelFor(items=list(range(replicas)), parallelism=replicas,
+                         name=f"{spec.name}-workers") as worker:
+        task = configure_task(component(**params, worker=worker), spec, cfg).after(*upstream)
+    return task
+
+
+def _async_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
+    tasks: dict[str, dsl.PipelineTask] = {}
+    for spec in STAGES:
+        upstream = [tasks[name] for name in spec.after]
+        tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params, upstream, once=False)
+
+
+def _sync_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
+    """Stages before the loop, the looping stages chained in graph order per round, the rest."""
+    looping = [s for s in STAGES if s.loops]
+    before = [s for s in STAGES if not s.loops and not any(stage(a).loops for a in s.after)]
+    after = [s for s in STAGES if not s.loops and s not in before]
+    tasks: dict[str, dsl.PipelineTask] = {}
+    for spec in before:
+        tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params,
+                                      [tasks[a] for a in spec.after], once=False)
+    with dsl.ParallelFor(items=list(range(sync_rounds(cfg))), parallelism=1, name="rounds"):
+        upstream = [tasks[a] for a in looping[0].after]
+        for spec in looping:
+            tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params, upstream, once=True)
+            upstream = [tasks[spec.name]]
+    for spec in after:
+        tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params,
+                                      [tasks[a] for a in spec.after], once=False)
+
+
+def build_pipeline(name: str, cfg: RunConfig, *, registry: str | None = None,
+                   tag: str | None = None, config_default: str | None = None) -> BaseComponent:
+    """The pipeline `name` (one of PIPELINE_NAMES) for `cfg`.
+
+    `registry` defaults to `cfg.pipeline.image_registry`, `tag` to the package version and
+    `config_default` (the `config` parameter's default) to the resolved config as YAML.
+    """
+    if name not in PIPELINE_NAMES:
+        raise ValueError(f"unknown pipeline '{name}'; pipelines: {', '.join(PIPELINE_NAMES)}")
+    registry = registry or cfg.pipeline.image_registry
+    body = _async_body if name == "shardrl" else _sync_body
+
+    def pipeline(config: str = config_default or config_text(cfg),
+                 store: str = DEFAULT_STORE) -> None:
+        params = {"config": config, "run_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER, "store": store}
+        body(cfg, registry, tag, params)
+
+    pipeline.__doc__ = _PARAMS_DOC
+    return dsl.pipeline(name=name, description=_DESCRIPTIONS[name])(pipeline)
+
+
+def compile_pipelines(cfg: RunConfig, out_dir: str | Path, *, registry: str | None = None,
+                      tag: str | None = None, config_default: str | None = None,
+                      kubernetes_manifest_format: bool = False,
+                      names: tuple[str, ...] = PIPELINE_NAMES) -> dict[str, Path]:
+    """Compile pipelines to `out_dir/<name>.yaml` (IR); with `kubernetes_manifest_format`
+    also `out_dir/<name>.k8s.yaml` (Pipeline and PipelineVersion resources)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    for name in names:
+        func = build_pipeline(name, cfg, registry=registry, tag=tag,
+                              config_default=config_default)
+        paths[name] = out / f"{name}.yaml"
+        compiler.Compiler().compile(func, str(paths[name]))
+        _comment_out_default(paths[name], config_default or config_text(cfg))
+        if kubernetes_manifest_format:
+            version = f"{name}-v{(tag or __version__).replace('.', '-')}".lower()
+            options = KubernetesManifestOptions(pipeline_version_name=version,
+                                                include_pipeline_manifest=True)
+            compiler.Compiler().compile(func, str(out / f"{name}.k8s.yaml"),
+                                        kubernetes_manifest_format=True,
+                                        kubernetes_manifest_options=options)
+    return paths
+
+
+def _comment_out_default(path: Path, default: str) -> None:
+    """Keep the compiled YAML valid: KFP's header comment repeats a multi-line parameter
+    default without `#` on its continuation lines (kubeflow/pipelines#10438)."""
+    raw = f"[Default: '{default}']"
+    text = path.read_text()
+    if "\n" in default and raw in text:
+        path.write_text(text.replace(raw, raw.replace("\n", "\n#      "), 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile both pipelines from a config (a file or preset name)."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.shardrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", default="demo", help="config file or preset name")
+    parser.add_argument("--out-dir", default="build/pipelines")
+    parser.add_argument("--kubernetes-manifest-format", action="store_true")
+    parser.add_argument("--image-registry", default=None)
+    parser.add_argument("--image-tag", default=None)
+    args = parser.parse_args(argv)
+    paths = compile_pipelines(load_config(args.config), args.out_dir,
+                              registry=args.image_registry, tag=args.image_tag,
+                              kubernetes_manifest_format=args.kubernetes_manifest_format)
+    for path in paths.values():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Compile both pipelines, parse the IR strictly into KFP's protos and check every task."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from components import STAGE_IMAGES, image_ref
+from google.protobuf import json_format
+from kfp import dsl
+from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
+from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS
+from pipelines.shardrl import compile_pipelines
+
+from shardrl import __version__
+from shardrl.commands import pipeline_cmd
+from shardrl.config import load_config, validate
+from shardrl.orchestrate.graph import LOOPING, STAGE_NAMES, entrypoint, stage
+
+REGISTRY = "registry.example.com/team"
+OVERRIDES = [
+    "rollout.workers=3",
+    "learner.backend={kind: deepspeed}",
+    "learner.total_steps=6",
+    "eval.every=3",
+    "pipeline.max_restarts=2",
+    "pipeline.stage_timeout_s=7200",
+    "pipeline.resources.rollout={cpu: '4', memory: 16Gi, gpus: 1}",
+    "pipeline.resources.learn={cpu: '8', memory: 32Gi, gpus: 2, gpu_type: nvidia.com/gpu}",
+]
+
+
+def param(name: str) -> str:
+    """KFP's placeholder for a component input parameter."""
+    return f"{{{{$.inputs.parameters['{name}']}}}}"
+
+
+@dataclass
+class StageTask:
+    """One compiled stage task with everything KFP and Kubernetes will run."""
+
+    task: pb.PipelineTaskSpec
+    container: pb.PipelineDeploymentConfig.PipelineContainerSpec
+    k8s: k8s_pb.KubernetesExecutorConfig
+    loops: list[pb.PipelineTaskSpec]
+    """Enclosing ParallelFor tasks, outermost first."""
+    siblings: dict[str, pb.PipelineTaskSpec]
+    """Tasks of the same DAG (resolves dependentTasks)."""
+
+
+def strict(data: dict, message):
+    return json_format.ParseDict(data, message, ignore_unknown_fields=False)
+
+
+def load_compiled(path: Path) -> tuple[pb.PipelineSpec, dict[str, StageTask]]:
+    """Parse the IR YAML strictly and index its stage tasks by display name."""
+    spec_doc, platform_doc = yaml.safe_load_all(path.read_text())
+    spec = strict(spec_doc, pb.PipelineSpec())
+    platform = strict(platform_doc, pb.PlatformSpec())
+    deployment = strict(json_format.MessageToDict(spec.deployment_spec),
+                        pb.PipelineDeploymentConfig())
+    k8s_execs = platform.platforms["kubernetes"].deployment_spec.executors
+    tasks: dict[str, StageTask] = {}
+
+    def walk(dag: pb.DagSpec, loops: list[pb.PipelineTaskSpec]) -> None:
+        for task in dag.tasks.values():
+            comp = spec.components[task.component_ref.name]
+            if comp.WhichOneof("implementation") == "dag":
+                walk(comp.dag, [*loops, task])
+                continue
+            k8s = strict(json_format.MessageToDict(k8s_execs[comp.executor_label]),
+                         k8s_pb.KubernetesExecutorConfig())
+            container = deployment.executors[comp.executor_label].container
+            assert task.task_info.name not in tasks
+            tasks[task.task_info.name] = StageTask(task, container, k8s, loops, dict(dag.tasks))
+
+    walk(spec.root.dag, [])
+    return spec, tasks
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    cfg = load_config("demo", OVERRIDES)
+    paths = compile_pipelines(cfg, tmp_path_factory.mktemp("ir"), registry=REGISTRY)
+    return cfg, {name: load_compiled(path) for name, path in paths.items()}
+
+
+def test_every_stage_runs_its_graph_entrypoint_in_its_image(compiled):
+    cfg, pipelines = compiled
+    for name, (_, tasks) in pipelines.items():
+        assert sorted(tasks) == sorted(STAGE_NAMES), name
+        for stage_name, t in tasks.items():
+            spec = stage(stage_name)
+            expected = entrypoint(stage_name, config=param("config"), run_id=param("run_id"),
+                                  store=param("store"), worker=param("worker"),
+                                  workers=spec.replicas(cfg),
+                                  once=name == "shardrl-sync" and spec.loops)
+            assert list(t.container.command) == expected, (name, stage_name)
+            assert list(t.container.args) == []
+            assert t.container.image == image_ref(STAGE_IMAGES[spec.image(cfg)], REGISTRY)
+            inputs = t.task.inputs.parameters
+            assert inputs["run_id"].runtime_value.constant.string_value == \
+                dsl.PIPELINE_JOB_ID_PLACEHOLDER
+            assert inputs["config"].component_input_parameter in (
+                "config", "pipelinechannel--config")
+
+
+def test_hand_written_commands_and_images(compiled):
+    _, pipelines = compiled
+    tasks = pipelines["shardrl"][1]
+    # rollout: replica `worker` of 3 (from the loop item), base image (engine hf)
+    assert list(tasks["rollout"].container.command) == [
+        "shardrl", "stage", "rollout", "--config", param("config"), "--run-id", param("run_id"),
+        "--store", param("store"), "--worker", param("worker"), "--workers", "3"]
+    assert tasks["rollout"].container.image == f"{REGISTRY}/shardrl:{__version__}"
+    # learn: DeepSpeed backend -> the DeepSpeed learner image
+    assert tasks["learn"].container.image == f"{REGISTRY}/shardrl-learner-deepspeed:{__version__}"
+    sync = pipelines["shardrl-sync"][1]
+    assert list(sync["learn"].container.command)[-1] == "--once"
+    assert "--once" not in list(sync["promote"].container.command)
+
+
+def test_resources_retries_timeout_caching_and_secrets(compiled):
+    cfg, pipelines = compiled
+    expected_secrets = [(s.name, {k: k for k in s.keys}, s.optional) for s in STAGE_SECRETS]
+    assert expected_secrets[0] == ("shardrl-s3", {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+                                                  "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+                                                  "S3_ENDPOINT_URL": "S3_ENDPOINT_URL"}, False)
+    for _, tasks in pipelines.values():
+        for stage_name, t in tasks.items():
+            res = getattr(cfg.pipeline.resources, stage_name)
+            r = t.container.resources
+            assert (r.resource_cpu_request, r.resource_cpu_limit) == (res.cpu, res.cpu)
+            assert (r.resource_memory_request, r.resource_memory_limit) == (res.memory, res.memory)
+            if res.gpus:
+                assert (r.accelerator.resource_type, r.accelerator.resource_count) == \
+                    (res.gpu_type, str(res.gpus))
+            else:
+                assert not r.HasField("accelerator")
+            assert t.task.caching_options.enable_cache is False
+            retry = t.task.retry_policy
+            assert retry.max_retry_count == 2
+            assert (retry.backoff_duration.seconds, retry.backoff_factor,
+                    retry.backoff_max_duration.seconds) == (30, 2.0, 3600)
+            assert t.k8s.active_deadline_seconds == 7200
+            secrets = [(s.secret_name, {k.secret_key: k.env_var for k in s.key_to_env},
+                        s.optional) for s in t.k8s.secret_as_env]
+            assert secrets == expected_secrets
+    learn = pipelines["shardrl"][1]["learn"].container.resources
+    assert (learn.resource_cpu_limit, learn.resource_memory_limit) == ("8", "32Gi")
+    assert learn.accelerator.resource_count == "2"
+
+
+def _deps(t: StageTask) -> set[str]:
+    return {t.siblings[d].task_info.name for d in t.task.dependent_tasks}
+
+
+def test_async_graph_fans_out_rollout_workers(compiled):
+    _, pipelines = compiled
+    tasks = pipelines["shardrl"][1]
+    (loop,) = tasks["rollout"].loops
+    assert loop.iterator_policy.parallelism_limit == 3
+    assert loop.parameter_iterator.items.raw == "[0, 1, 2]"
+    assert tasks["rollout"].task.inputs.parameters["worker"].component_input_parameter == \
+        loop.parameter_iterator.item_input
+    assert list(loop.dependent_tasks) == ["shardrl-snapshot"]
+    assert _deps(tasks["snapshot"]) == set()
+    for name in ("score", "prepare", "learn", "evaluate"):
+        assert tasks[name].loops == [] and _deps(tasks[name]) == {"snapshot"}
+    assert _deps(tasks["promote"]) == {"learn", "evaluate"}
+
+
+def test_sync_graph_runs_rounds_one_at_a_time(compiled):
+    _, pipelines = compiled
+    tasks = pipelines["shardrl-sync"][1]
+    rounds, workers = tasks["rollout"].loops
+    assert rounds.task_info.name == "rounds"
+    assert rounds.iterator_policy.parallelism_limit == 1
+    assert rounds.parameter_iterator.items.raw == "[0, 1, 2, 3, 4, 5]"  # learner.total_steps
+    assert list(rounds.dependent_tasks) == ["shardrl-snapshot"]
+    assert (workers.task_info.name, workers.iterator_policy.parallelism_limit) == \
+        ("rollout-workers", 3)
+    # Inside a round: rollout workers -> score -> prepare -> learn -> evaluate.
+    assert [n for n in STAGE_NAMES if n in LOOPING] == \
+        ["rollout", "score", "prepare", "learn", "evaluate"]
+    assert _deps(tasks["score"]) == {"rollout-workers"}
+    assert _deps(tasks["prepare"]) == {"score"}
+    assert _deps(tasks["learn"]) == {"prepare"}
+    assert _deps(tasks["evaluate"]) == {"learn"}
+    for name in ("score", "prepare", "learn", "evaluate"):
+        assert tasks[name].loops == [rounds]
+    # promote waits for the whole loop of rounds
+    assert tasks["promote"].loops == [] and _deps(tasks["promote"]) == {"rounds"}
+
+
+def test_parameters_have_defaults_and_descriptions(compiled):
+    cfg, pipelines = compiled
+    for spec, _ in pipelines.values():
+        params = spec.root.input_definitions.parameters
+        assert sorted(params) == ["config", "store"]
+        # The config default is the compiled config, self-contained: it validates back to it.
+        default = params["config"].default_value.string_value
+        assert validate(yaml.safe_load(default)) == cfg
+        assert params["store"].default_value.string_value == DEFAULT_STORE == "s3://shardrl"
+        assert all(p.description and p.is_optional for p in params.values())
+
+
+def test_cli_compiles_demo_with_kubernetes_manifests(tmp_path):
+    args = argparse.Namespace(action="compile", out_dir=str(tmp_path),
+                              kubernetes_manifest_format=True, image_registry=None,
+                              image_tag="1.2.3")
+    assert pipeline_cmd.run(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shardrl-sync.k8s.yaml", "shardrl-sync.yaml", "shardrl.k8s.yaml", "shardrl.yaml"]
+    spec, tasks = load_compiled(tmp_path / "shardrl.yaml")
+    # demo: one rollout worker -> a plain task without --worker; the config's registry
+    assert tasks["rollout"].loops == []
+    assert "--worker" not in list(tasks["rollout"].container.command)
+    assert tasks["rollout"].container.image == "ghcr.io/shardrl/shardrl:1.2.3"
+    pipeline, version = yaml.safe_load_all((tmp_path / "shardrl.k8s.yaml").read_text())
+    assert (pipeline["kind"], version["kind"]) == ("Pipeline", "PipelineVersion")
+    assert version["metadata"]["name"] == "shardrl-v1-2-3"
+    assert strict(version["spec"]["pipelineSpec"], pb.PipelineSpec()) == spec
+    strict(version["spec"]["platformSpec"], pb.PlatformSpec())

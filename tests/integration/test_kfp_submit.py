@@ -1,0 +1,238 @@
+"""`make pipeline-run` / `shardrl pipeline run` against a local stand-in of the KFP v2beta1 API.
+
+The stand-in answers the endpoints kfp.Client calls with minimal valid JSON and records every
+request, so the tests assert on what a real Kubeflow Pipelines API would have received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from email.parser import BytesParser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+from pipelines.cluster import DEFAULT_STORE, SERVICE_ACCOUNT
+from pipelines.shardrl import config_text
+from pipelines.submit import version_name
+
+from shardrl.cli import main as cli_main
+from shardrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+API = "/apis/v2beta1"
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+    def uploaded_file(self) -> bytes:
+        """The file part of a multipart/form-data upload."""
+        head = f"Content-Type: {self.headers['content-type']}\r\n\r\n".encode()
+        message = BytesParser().parsebytes(head + self.body)
+        return next(p.get_payload(decode=True) for p in message.walk() if p.get_filename())
+
+
+@dataclass
+class FakeKfp:
+    """State of the stand-in: which pipeline/versions exist and how the run ends."""
+
+    existing_pipeline: bool = False
+    existing_version: str | None = None
+    final_state: str = "SUCCEEDED"
+    requests: list[Request] = field(default_factory=list)
+
+    def answer(self, req: Request) -> tuple[int, dict]:
+        route = (req.method, req.path)
+        if route == ("GET", f"{API}/healthz"):
+            return 200, {"multi_user": False}
+        if route == ("GET", f"{API}/pipelines"):
+            found = [{"pipeline_id": "pl-1", "display_name": "shardrl"}]
+            return 200, {"pipelines": found, "total_size": 1} if self.existing_pipeline else {}
+        if route == ("POST", f"{API}/pipelines/upload"):
+            return 200, {"pipeline_id": "pl-1", "display_name": req.query["name"][0]}
+        if route == ("GET", f"{API}/pipelines/pl-1/versions"):
+            if self.existing_pipeline and self.existing_version is None:
+                return 200, {}
+            name = self.existing_version or "shardrl"
+            return 200, {"pipeline_versions": [
+                {"pipeline_id": "pl-1", "pipeline_version_id": "pv-1", "display_name": name}]}
+        if route == ("POST", f"{API}/pipelines/upload_version"):
+            return 200, {"pipeline_id": "pl-1", "pipeline_version_id": "pv-2",
+                         "display_name": req.query["name"][0]}
+        if route == ("GET", f"{API}/experiments"):
+            return 200, {}
+        if route == ("POST", f"{API}/experiments"):
+            return 200, {"experiment_id": "exp-1", "display_name": req.json()["display_name"]}
+        if route == ("POST", f"{API}/runs"):
+            return 200, {"run_id": "run-1", "state": "PENDING"}
+        if route == ("GET", f"{API}/runs/run-1"):
+            return 200, {"run_id": "run-1", "state": self.final_state}
+        return 404, {"error": f"no route {req.method} {req.path}"}
+
+    def paths(self) -> list[tuple[str, str]]:
+        return [(r.method, r.path) for r in self.requests]
+
+    def one(self, method: str, path: str) -> Request:
+        hits = [r for r in self.requests if (r.method, r.path) == (method, path)]
+        assert len(hits) == 1, f"{method} {path}: {len(hits)} requests in {self.paths()}"
+        return hits[0]
+
+
+def _handler(state: FakeKfp) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self) -> None:
+            url = urlparse(self.path)
+            length = int(self.headers.get("content-length") or 0)
+            req = Request(self.command, url.path, parse_qs(url.query),
+                          {k.lower(): v for k, v in self.headers.items()},
+                          self.rfile.read(length))
+            state.requests.append(req)
+            status, payload = state.answer(req)
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _serve
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    return Handler
+
+
+@pytest.fixture
+def kfp_api() -> Iterator[tuple[str, FakeKfp]]:
+    state = FakeKfp()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
+    host, state = kfp_api
+    env = {**os.environ, "KFP_HOST": host, "KFP_TOKEN": "t0ken", "HOME": str(tmp_path)}
+    env.pop("KFP_NAMESPACE", None)
+    env.pop("KFP_SERVICE_ACCOUNT", None)
+    # -o: treat the venv stamp as up to date, so make does not reinstall the package
+    proc = subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", "pipeline-run", "CONFIG=configs/demo.yaml",
+         "WAIT=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    # Health check, pipeline lookup, upload, first version, experiment, run, polling.
+    assert state.paths() == [
+        ("GET", f"{API}/healthz"), ("GET", f"{API}/healthz"),
+        ("GET", f"{API}/pipelines"), ("POST", f"{API}/pipelines/upload"),
+        ("GET", f"{API}/pipelines/pl-1/versions"),
+        ("GET", f"{API}/experiments"), ("POST", f"{API}/experiments"),
+        ("POST", f"{API}/runs"), ("GET", f"{API}/runs/run-1"),
+    ]
+    assert all(r.headers.get("authorization") == "Bearer t0ken" for r in state.requests)
+
+    upload = state.one("POST", f"{API}/pipelines/upload")
+    assert upload.query["name"] == ["shardrl"]
+    spec = next(yaml.safe_load_all(upload.uploaded_file()))
+    assert spec["pipelineInfo"]["name"] == "shardrl"
+
+    expected_config = config_text(load_config(ROOT / "configs/demo.yaml"))
+    assert state.one("POST", f"{API}/experiments").json()["display_name"] == "shardrl"
+    run = state.one("POST", f"{API}/runs").json()
+    assert run["experiment_id"] == "exp-1"
+    assert run["pipeline_version_reference"] == {"pipeline_id": "pl-1",
+                                                 "pipeline_version_id": "pv-1"}
+    assert run["runtime_config"]["parameters"] == {"config": expected_config,
+                                                   "store": DEFAULT_STORE}
+    assert run["service_account"] == SERVICE_ACCOUNT
+    assert run["display_name"].startswith("demo-")
+    assert f"{host}/#/runs/details/run-1" in proc.stdout
+    assert "finished: SUCCEEDED" in proc.stdout
+
+
+def test_existing_pipeline_gets_a_new_version_and_a_failed_run_fails(kfp_api, tmp_path,
+                                                                      monkeypatch, capsys):
+    host, state = kfp_api
+    state.existing_pipeline = True
+    state.final_state = "FAILED"
+    token_file = tmp_path / "token"
+    token_file.write_text("sa-token\n")
+    monkeypatch.delenv("KFP_TOKEN", raising=False)
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token_file))
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_SERVICE_ACCOUNT", "")
+
+    rc = cli_main(["pipeline", "run", "demo", "--pipeline", "shardrl-sync",
+                   "--experiment", "nightly", "--wait"])
+
+    assert rc == 1
+    assert "finished: FAILED" in capsys.readouterr().out
+    assert ("POST", f"{API}/pipelines/upload") not in state.paths()
+    assert all(r.headers.get("authorization") == "Bearer sa-token" for r in state.requests)
+    new_version = state.one("POST", f"{API}/pipelines/upload_version")
+    assert new_version.query["pipelineid"] == ["pl-1"]
+    package = tmp_path / "sync.yaml"
+    package.write_bytes(new_version.uploaded_file())
+    # The version is named after the package version and the uploaded bytes' hash.
+    assert new_version.query["name"] == [version_name(package)]
+    assert next(yaml.safe_load_all(package.read_text()))["pipelineInfo"]["name"] == "shardrl-sync"
+    run = state.one("POST", f"{API}/runs").json()
+    assert run["pipeline_version_reference"]["pipeline_version_id"] == "pv-2"
+    assert "service_account" not in run  # empty KFP_SERVICE_ACCOUNT: the backend's default
+    assert state.one("POST", f"{API}/experiments").json()["display_name"] == "nightly"
+
+
+def test_resubmitting_the_same_config_reuses_its_version(kfp_api, monkeypatch):
+    host, state = kfp_api
+    state.existing_pipeline = True
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    uploaded_name = state.one("POST", f"{API}/pipelines/upload_version").query["name"][0]
+
+    # Compilation is deterministic: the second submission finds its version by name.
+    state.existing_version = uploaded_name
+    state.requests.clear()
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    versions = state.one("GET", f"{API}/pipelines/pl-1/versions")
+    assert json.loads(versions.query["filter"][0])["predicates"][0]["stringValue"] == uploaded_name
+    assert ("POST", f"{API}/pipelines/upload_version") not in state.paths()
+    run = state.one("POST", f"{API}/runs").json()
+    assert run["pipeline_version_reference"]["pipeline_version_id"] == "pv-1"
+
+
+def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch):
+    monkeypatch.delenv("KFP_HOST", raising=False)
+    calls = []
+
+    def fake_run(cmd, check):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert cli_main(["pipeline", "run", "configs/demo.yaml"]) == 3  # the runner's exit code
+    assert calls == [[sys.executable, "-m", "shardrl.cli", "run", "configs/demo.yaml"]]
