@@ -59,6 +59,8 @@ class LocalStore(Store):
     def delete(self, key: str) -> None:
         try:
             self._path(key).unlink(missing_ok=True)
+        except (IsADirectoryError, NotADirectoryError):
+            return  # a folder of other keys, or a file where a folder would be: no such key
         except OSError as e:
             raise StoreError(f"cannot delete {key!r} in {self.uri}: {e}") from e
 

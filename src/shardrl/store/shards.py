@@ -36,6 +36,10 @@ class SchemaError(ShardError):
     """The table does not match the boundary schema."""
 
 
+def _is_list(type_: pa.DataType) -> bool:
+    return pa.types.is_list(type_) or pa.types.is_large_list(type_)
+
+
 def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
     """Whether a column of type `src` may be cast to `dst` (range checks happen on cast)."""
     if pa.types.is_null(src):
@@ -46,8 +50,8 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
         return pa.types.is_floating(dst)
     if pa.types.is_string(src) or pa.types.is_large_string(src):
         return pa.types.is_string(dst) or pa.types.is_large_string(dst)
-    if pa.types.is_list(src) or pa.types.is_large_list(src):
-        return (pa.types.is_list(dst) or pa.types.is_large_list(dst)) and _castable(
+    if _is_list(src):
+        return _is_list(dst) and _castable(
             src.value_type, dst.value_type
         )
     return False
@@ -55,7 +59,7 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
 
 def _leaves(column: pa.ChunkedArray) -> pa.ChunkedArray:
     """The innermost values of a (possibly nested) list column."""
-    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+    while _is_list(column.type):
         column = pc.list_flatten(column)
     return column
 
@@ -107,8 +111,14 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
     """Parquet (zstd) bytes of `table` conformed to `schema`."""
+    # Token and logprob lists are high-cardinality: dictionary encoding and min/max
+    # statistics would cost most of the encoding time and buy nothing for them.
+    scalars = [f.name for f in schema if not _is_list(f.type)]
     sink = pa.BufferOutputStream()
-    pq.write_table(conform(table, schema), sink, compression="zstd")
+    pq.write_table(
+        conform(table, schema), sink, compression="zstd",
+        use_dictionary=scalars, write_statistics=scalars,
+    )
     return sink.getvalue().to_pybytes()
 
 
@@ -184,7 +194,7 @@ def list_column_to_padded(
     that of the list values (int32 for token ids, float32 for logprobs).
     """
     array = table.column(column).combine_chunks()
-    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+    if not _is_list(array.type):
         raise ValueError(f"column {column!r} is {array.type}, not a list column")
     values = array.flatten()
     if array.null_count or values.null_count:
