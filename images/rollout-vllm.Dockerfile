@@ -1,0 +1,29 @@
+# ShardRL GPU rollout image: the rollout stage with `rollout.engine: vllm` (vllm extra).
+# torch comes from PyPI at the version vLLM requires (CUDA wheels; the node provides the driver).
+# Build from the repository root:
+#   docker build -f images/rollout-vllm.Dockerfile -t REGISTRY/shardrl-rollout-vllm:VERSION .
+ARG PYTHON_IMAGE=python:3.11.14-slim-trixie
+
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+COPY components ./components
+COPY pipelines ./pipelines
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/shardrl
+RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl
+COPY pyproject.toml images/requirements.py /tmp/build/
+RUN python /tmp/build/requirements.py /tmp/build/pyproject.toml vllm > /tmp/build/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/build/requirements.txt \
+    && rm -rf /tmp/build
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels
+USER 1000:1000
+WORKDIR /home/shardrl
+CMD ["shardrl", "--help"]

