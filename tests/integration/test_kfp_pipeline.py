@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from pipelines.shardrl import compile_pipelines
 
 from shardrl import __version__
 from shardrl.commands import pipeline_cmd
-from shardrl.config import load_config, validate
+from shardrl.config import load_config
 from shardrl.orchestrate.graph import LOOPING, STAGE_NAMES, entrypoint, stage
+from shardrl.stages.context import load_stage_config
 
+ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = "registry.example.com/team"
 OVERRIDES = [
     "rollout.workers=3",
@@ -202,9 +205,10 @@ def test_parameters_have_defaults_and_descriptions(compiled):
     for spec, _ in pipelines.values():
         params = spec.root.input_definitions.parameters
         assert sorted(params) == ["config", "store"]
-        # The config default is the compiled config, self-contained: it validates back to it.
+        # The config default is the compiled config, self-contained: a stage reads it back
+        # (inline YAML) as exactly that config.
         default = params["config"].default_value.string_value
-        assert validate(yaml.safe_load(default)) == cfg
+        assert load_stage_config(default) == cfg
         assert params["store"].default_value.string_value == DEFAULT_STORE == "s3://shardrl"
         assert all(p.description and p.is_optional for p in params.values())
 
@@ -226,3 +230,21 @@ def test_cli_compiles_demo_with_kubernetes_manifests(tmp_path):
     assert version["metadata"]["name"] == "shardrl-v1-2-3"
     assert strict(version["spec"]["pipelineSpec"], pb.PipelineSpec()) == spec
     strict(version["spec"]["platformSpec"], pb.PlatformSpec())
+
+
+def test_make_pipeline_compile_uses_the_given_config(tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("extends: demo\nname: mine\nrollout: {workers: 2}\n")
+    out = tmp_path / "out"
+    # -o: treat the venv stamp as up to date, so make does not reinstall the package
+    proc = subprocess.run(["make", "-s", "-o", ".venv/.installed", "pipeline-compile",
+                           f"CONFIG={config}", f"PIPELINE_DIR={out}", "IMAGE_REGISTRY=reg.test/x",
+                           "K8S_MANIFEST=1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("*.yaml"))) == 4
+    spec, tasks = load_compiled(out / "shardrl.yaml")
+    assert tasks["rollout"].loops[0].iterator_policy.parallelism_limit == 2
+    assert tasks["rollout"].container.image == f"reg.test/x/shardrl:{__version__}"
+    default = spec.root.input_definitions.parameters["config"].default_value.string_value
+    assert yaml.safe_load(default)["name"] == "mine"

@@ -137,8 +137,8 @@ def kfp_api() -> Iterator[tuple[str, FakeKfp]]:
 def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     host, state = kfp_api
     env = {**os.environ, "KFP_HOST": host, "KFP_TOKEN": "t0ken", "HOME": str(tmp_path)}
-    env.pop("KFP_NAMESPACE", None)
-    env.pop("KFP_SERVICE_ACCOUNT", None)
+    for name in ("KFP_NAMESPACE", "KFP_SERVICE_ACCOUNT", "KF_PIPELINES_UI_ENDPOINT"):
+        env.pop(name, None)
     # -o: treat the venv stamp as up to date, so make does not reinstall the package
     proc = subprocess.run(
         ["make", "-s", "-o", ".venv/.installed", "pipeline-run", "CONFIG=configs/demo.yaml",
