@@ -1,0 +1,166 @@
+"""Generation with a transformers causal LM: batched, KV-cached, stopping per row on eos.
+
+All `n` samples of all prompts go through the model as one left-padded batch. Each decoding
+step is one forward over the newest token per row with the model's key/value cache; the
+sampling, the stop bookkeeping and the behaviour log-probabilities are whole-batch tensor
+operations, so there is no per-row Python work inside the loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from shardrl.engines.base import Sample
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution, in float32.
+
+    logits: (B, V). Returns (B, V): log_softmax(logits / temperature), and when `top_p < 1`
+    the tokens outside the nucleus (the smallest set of most likely tokens whose probability
+    reaches `top_p`; the most likely token is always kept) get -inf and the rest are
+    renormalised.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p >= 1.0:
+        return logp
+    sorted_logp, order = logp.sort(dim=-1, descending=True)  # (B, V)
+    mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()  # (B, V)
+    drop_sorted = mass_before >= top_p  # (B, V); position 0 has mass_before 0, always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+
+
+class HFEngine:
+    """The `Engine` implementation on a transformers `PreTrainedModel` (CPU or GPU).
+
+    `fp32_lm_head=True` computes the logits with the output head in float32 whatever the
+    model's dtype, as the learner does, so behaviour and learner log-probabilities agree.
+    `temperature=0` means greedy decoding; the sampling distribution is then a point mass
+    and every behaviour log-probability is 0.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        fp32_lm_head: bool = True,
+        version: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.fp32_lm_head = fp32_lm_head
+        self.version = version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def load_weights(self, state_dict_or_dir: dict[str, torch.Tensor] | str | Path,
+                     version: int) -> None:
+        """Copy new weights into the model in place and set `version`.
+
+        Accepts a state dict or a directory of `*.safetensors` files. Missing keys are only
+        allowed for tied weights (the output head of a model with tied embeddings).
+        """
+        if isinstance(state_dict_or_dir, dict):
+            state_dict = state_dict_or_dir
+        else:
+            files = sorted(Path(state_dict_or_dir).glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {state_dict_or_dir}")
+            state_dict = {}
+            for f in files:
+                state_dict.update(load_file(str(f)))
+        result = self.model.load_state_dict(state_dict, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if self.model.config.tie_word_embeddings:
+            tied.add("lm_head.weight")
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise KeyError(
+                f"weights do not match the model: missing {missing}, "
+                f"unexpected {result.unexpected_keys}"
+            )
+        self.version = version
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, H) -> logits (B, V), float32 (head in float32 when `fp32_lm_head`)."""
+        head = self.model.get_output_embeddings()
+        if self.fp32_lm_head:
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden.float(), head.weight.float(), bias)
+        return head(hidden).float()
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """Sample `n` responses per prompt; see `Engine.generate`."""
+        device = self.device
+        rows = [p for p in prompt_token_ids for _ in range(n)]
+        batch, width = len(rows), max(len(p) for p in rows)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long,
+                            device=device)  # (B, N)
+        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+        cache = None
+        step_ids, step_pos = input_ids, positions
+        for t in range(max_new_tokens):
+            out = self.model.base_model(input_ids=step_ids, attention_mask=attention,
+                                   position_ids=step_pos, cache=cache, use_cache=True)
+            cache = out.cache
+            logits = self._logits(out.last_hidden_state[:, -1])  # (B, V)
+            if temperature <= 0:
+                tok = logits.argmax(-1)  # (B,)
+                tok_logp = torch.zeros(batch, device=device)
+            else:
+                logp = sampling_logprobs(logits, temperature, top_p)  # (B, V)
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+                tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)  # (B,)
+            tok = tok.masked_fill(done, self.pad_token_id)
+            tokens[:, t] = tok
+            logprobs[:, t] = tok_logp.masked_fill(done, 0.0)
+            done = done | (tok == self.eos_token_id)
+            if bool(done.all()):
+                break
+            step_ids = tok[:, None]  # (B, 1)
+            step_pos = step_pos[:, -1:] + 1  # (B, 1)
+            attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
+
+        is_eos = tokens == self.eos_token_id  # (B, N)
+        has_eos = is_eos.any(-1)  # (B,)
+        lengths = torch.where(has_eos, is_eos.int().argmax(-1) + 1,
+                              torch.full_like(has_eos, max_new_tokens, dtype=torch.long))
+        tok_list, lp_list = tokens.tolist(), logprobs.tolist()
+        len_list, eos_list = lengths.tolist(), has_eos.tolist()
+        samples = [
+            Sample(token_ids=tok_list[i][: len_list[i]], logprobs=lp_list[i][: len_list[i]],
+                   finish_reason="stop" if eos_list[i] else "length")
+            for i in range(batch)
+        ]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompt_token_ids))]
