@@ -122,7 +122,7 @@ def s3_store() -> Iterator[S3Store]:
         yield S3Store("bench", "store-bench", server.endpoint, server.access_key, server.secret_key)
 
 
-def summarize(name: str, r: dict[str, float], nbytes: int) -> dict[str, float]:
+def summarize(name: str, r: dict[str, float], nbytes: int) -> dict[str, float | bool]:
     """Throughputs in MB/s of the in-memory payload and the shard/raw ratios."""
     def mbps(ms: float) -> float:
         return round(nbytes / 1e6 / (ms / 1e3), 1)
@@ -161,7 +161,7 @@ def main() -> None:
     print(f"{'store':6} {'write ms':>9} {'read ms':>9} {'put ms':>9} {'get ms':>9} "
           f"{'file ms':>9} {'shard MB/s':>10} {'raw MB/s':>9} {'ratio':>6} {'r.file':>6} "
           f"{'enc ms':>6} {'dec ms':>6}")
-    backends: dict[str, dict[str, float]] = {}
+    backends: dict[str, dict[str, float | bool]] = {}
     with tempfile.TemporaryDirectory() as folder:
         backends["local"] = summarize(
             "local", measure(LocalStore(folder), table, args.repeats), table.nbytes

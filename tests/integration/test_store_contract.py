@@ -316,3 +316,13 @@ def test_transient_outage_is_survived_and_logged_once(seaweed, bucket, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "shardrl.store"]
     assert len(messages) == 2, messages  # one when the outage starts, one when it ends
     assert "unavailable" in messages[0] and "available again" in messages[1]
+
+
+def test_a_large_object_is_sent_as_one_put(seaweed, bucket):
+    # 12 MiB is above the SDK's 5 MiB default part size; a multipart upload would leave an
+    # ETag ending in "-<parts>", a single PUT the plain MD5 of the content.
+    store = _s3(seaweed, bucket, prefix=f"one-put-{uuid.uuid4().hex[:8]}")
+    data = _large(7, 12 * 2**20)
+    store.put_bytes("big", data)
+    etag = seaweed.client().stat_object(bucket, f"{store.prefix}big").etag
+    assert etag.strip('"') == hashlib.md5(data).hexdigest()
