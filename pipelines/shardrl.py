@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 import yaml
-from components import STAGE_IMAGES, image_ref, stage_component
 from kfp import compiler, dsl, kubernetes
 from kfp.compiler.compiler_utils import KubernetesManifestOptions
 from kfp.dsl.base_component import BaseComponent
 
+from components import STAGE_IMAGES, image_ref, stage_component
 from shardrl import __version__
 from shardrl.config import RunConfig, load_config
 from shardrl.orchestrate.graph import STAGES, StageSpec, stage

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pipeline", help="compile or submit the Kubeflow pipelines")
     pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION")
     comp = pl_sub.add_parser("compile", help="write the pipeline IR YAML")
+    comp.add_argument("--config", default="demo",
+                      help="config whose stage graph, resources and defaults are compiled in")
     comp.add_argument("--out-dir", default="build/pipelines")
     comp.add_argument("--kubernetes-manifest-format", action="store_true",
                       help="also write Kubernetes-manifest form")

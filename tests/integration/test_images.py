@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from components import SERVICE_IMAGES, STAGE_IMAGES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from components import STAGE_IMAGES, image_ref
 from google.protobuf import json_format
 from kfp import dsl
 from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+
+from components import STAGE_IMAGES, image_ref
 from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS
 from pipelines.shardrl import compile_pipelines
-
 from shardrl import __version__
 from shardrl.commands import pipeline_cmd
 from shardrl.config import load_config

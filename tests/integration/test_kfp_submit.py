@@ -20,10 +20,10 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
+
 from pipelines.cluster import DEFAULT_STORE, SERVICE_ACCOUNT
 from pipelines.shardrl import config_text
 from pipelines.submit import version_name
-
 from shardrl.cli import main as cli_main
 from shardrl.config import load_config
 

@@ -10,10 +10,10 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+
 from components import SERVICE_IMAGES, STAGE_IMAGES, image_ref
 from pipelines import cluster
 from pipelines.shardrl import compile_pipelines
-
 from shardrl.config import load_config
 from shardrl.config.infra import PipelineConfig
 

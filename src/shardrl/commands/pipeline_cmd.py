@@ -28,7 +28,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _compile(args: argparse.Namespace) -> int:
     from pipelines.shardrl import compile_pipelines
-
     from shardrl.config import load_config
 
     cfg = load_config(getattr(args, "config", None) or DEFAULT_COMPILE_CONFIG)
@@ -51,7 +50,6 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from pipelines.cluster import DEFAULT_STORE, SERVICE_ACCOUNT
     from pipelines.shardrl import compile_pipelines, config_text
     from pipelines.submit import submit
-
     from shardrl.config import load_config
 
     cfg = load_config(args.config)

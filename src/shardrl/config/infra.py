@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 
@@ -43,6 +43,11 @@ class TrackingConfig(Section):
 class Resources(Section):
     """Kubernetes resources of one stage's pod."""
 
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value):
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
     cpu: str = Field("1", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
     """CPU request/limit, e.g. '2' or '500m'."""
     memory: str = Field("4Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -53,16 +58,32 @@ class Resources(Section):
     """Accelerator resource name."""
 
 
-class StageResources(Section):
-    """Resources per stage on the cluster."""
+_STAGE_DEFAULTS = {
+    "snapshot": {"cpu": "2", "memory": "8Gi"}, "rollout": {"cpu": "2", "memory": "8Gi"},
+    "score": {"cpu": "1", "memory": "4Gi"}, "prepare": {"cpu": "1", "memory": "2Gi"},
+    "learn": {"cpu": "2", "memory": "8Gi"}, "evaluate": {"cpu": "1", "memory": "4Gi"},
+    "promote": {"cpu": "1", "memory": "2Gi"},
+}
 
-    snapshot: Resources = Resources(cpu="2", memory="8Gi")
-    rollout: Resources = Resources(cpu="2", memory="8Gi")
-    score: Resources = Resources(cpu="1", memory="4Gi")
-    prepare: Resources = Resources(cpu="1", memory="2Gi")
-    learn: Resources = Resources(cpu="2", memory="8Gi")
-    evaluate: Resources = Resources(cpu="1", memory="4Gi")
-    promote: Resources = Resources(cpu="1", memory="2Gi")
+
+class StageResources(Section):
+    """Resources per stage on the cluster; a partial entry keeps that stage's other defaults."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_stage_defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        return {name: {**_STAGE_DEFAULTS[name], **value} if isinstance(value, dict) and name in
+                _STAGE_DEFAULTS else value for name, value in data.items()}
+
+    snapshot: Resources = Resources(**_STAGE_DEFAULTS["snapshot"])
+    rollout: Resources = Resources(**_STAGE_DEFAULTS["rollout"])
+    score: Resources = Resources(**_STAGE_DEFAULTS["score"])
+    prepare: Resources = Resources(**_STAGE_DEFAULTS["prepare"])
+    learn: Resources = Resources(**_STAGE_DEFAULTS["learn"])
+    evaluate: Resources = Resources(**_STAGE_DEFAULTS["evaluate"])
+    promote: Resources = Resources(**_STAGE_DEFAULTS["promote"])
 
 
 class PipelineConfig(Section):

@@ -109,7 +109,7 @@ class Learner:
                 self.admit(key)
             if self.groups_ready() >= lc.batch_prompts:
                 self.step()
-                if ctx.once:
+                if ctx.once and self.version < lc.total_steps:
                     return 0
             elif not new:
                 if ctx.once and ctx.done():

@@ -41,7 +41,7 @@ class Scorer:
     """Holds the verifiers, the reward model and the reference for the life of the stage."""
 
     def __init__(self, ctx: StageContext) -> None:
-        from .reward import build_reward
+        from ..tasks.rewards import build_reward
 
         self.ctx = ctx
         cfg = ctx.cfg

@@ -92,7 +92,7 @@ def train_sft(model, tokenizer, train_pairs, val_pairs, cfg: SFTConfig, seed: in
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            train_loss = float(loss)
+            train_loss = float(loss.detach())
         val = validation_loss(model, val_rows, pad)
         log.info("sft epoch %d step %d train_loss %.4f val_loss %.4f", epoch, step, train_loss, val)
         if val < best - 1e-4:

@@ -1,0 +1,56 @@
+"""Helpers for end-to-end runs of the local runner on tiny settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = """\
+extends: demo
+name: tiny
+model:
+  source: {kind: tiny, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}
+  sft: {demonstrations: 64, max_epochs: 2, patience: 1, batch_size: 32}
+task:
+  source: {kind: builtin, heldout_size: 16}
+rollout: {prompts_per_shard: 2, group_size: 4, max_new_tokens: 5, poll_interval_s: 0.05}
+learner: {total_steps: 6, batch_prompts: 2, max_staleness: 2, warmup_steps: 1, ckpt_every: 1,
+          poll_interval_s: 0.05}
+eval: {every: 3}
+# an untrained model rarely has a group with mixed rewards: keep every group so steps happen
+algo: {filters: {zero_variance: false}}
+promote: {model_name: tiny-e2e}
+"""
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SHARDRL_CACHE=str(cwd / "cache"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "shardrl.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY + f"tracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n")
+    return path
+
+
+def summary(store: Path, run_id: str) -> dict:
+    return json.loads((store / "runs" / run_id / "state" / "runner" / "summary.json").read_text())
+
+
+def learner_metric(store: Path, run_id: str, name: str) -> list[float]:
+    import pyarrow.parquet as pq
+
+    values = []
+    for f in sorted((store / "runs" / run_id / "metrics" / "learn").glob("*.parquet")):
+        t = pq.read_table(f)
+        values += [v for n, v in zip(t.column("name").to_pylist(), t.column("value").to_pylist(),
+                                     strict=True) if n == f"learn/{name}"]
+    return values
