@@ -1,0 +1,97 @@
+"""Promotion: model versions in the MLflow registry, aliases, and the champion rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIG = """\
+extends: demo
+model:
+  source: {kind: tiny, hidden_size: 16, num_layers: 1, num_heads: 2, intermediate_size: 32}
+  sft: {enabled: false}
+task:
+  source: {kind: builtin, heldout_size: 16}
+promote: {model_name: promo-test, margin: 0.02}
+"""
+
+
+def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "shardrl.cli", "stage", name, "--config", str(cfg),
+                          "--run-id", run_id, "--store", str(store)], cwd=cwd,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _fake_evals(store: Path, run_id: str, values: dict[int, float]) -> None:
+    d = store / "runs" / run_id / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    policy = store / "runs" / run_id / "policy"
+    for version, value in values.items():
+        if version and not (policy / f"v{version:06d}").exists():  # same weights as v0
+            shutil.copytree(policy / "v000000", policy / f"v{version:06d}")
+        (d / f"v{version:06d}.json").write_text(json.dumps(
+            {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version}))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("promote")
+    cfg = tmp / "c.yaml"
+    cfg.write_text(CONFIG + f"tracking: {{uri: 'sqlite:///{tmp}/mlflow.db'}}\n")
+    store = tmp / "store"
+    _stage("snapshot", cfg, store, "base", tmp)
+    return tmp, cfg, store
+
+
+def _promote(registry, run_id: str, evals: dict[int, float]) -> dict:
+    tmp, cfg, store = registry
+    shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
+    _fake_evals(store, run_id, evals)
+    _stage("promote", cfg, store, run_id, tmp)
+    return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json").read_text())
+
+
+def _aliases(tmp: Path) -> dict[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db", registry_uri=f"sqlite:///{tmp}/mlflow.db")
+    return {a: str(c.get_model_version_by_alias("promo-test", a).version)
+            for a in ("champion", "challenger", "previous-champion")
+            if a in c.get_registered_model("promo-test").aliases}
+
+
+def test_champion_moves_only_when_beaten_by_the_margin(registry):
+    tmp = registry[0]
+    first = _promote(registry, "run-a", {0: 0.10, 5: 0.50, 10: 0.40})
+    assert first["version"] == 5 and first["value"] == 0.50  # best, not last
+    assert first["champion"] and _aliases(tmp) == {"champion": "1", "challenger": "1"}
+
+    worse = _promote(registry, "run-b", {0: 0.10, 5: 0.51})  # +0.01 < margin 0.02
+    assert not worse["champion"]
+    assert _aliases(tmp) == {"champion": "1", "challenger": "2"}
+
+    better = _promote(registry, "run-c", {0: 0.10, 5: 0.60})
+    assert better["champion"]
+    assert _aliases(tmp) == {"champion": "3", "challenger": "3", "previous-champion": "1"}
+
+
+def test_registered_version_carries_tags_and_a_loadable_model(registry):
+    from mlflow.tracking import MlflowClient
+
+    tmp = registry[0]
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    mv = c.get_model_version("promo-test", "1")
+    assert mv.tags["shardrl.run_id"] == "run-a"
+    assert mv.tags["shardrl.policy_version"] == "5"
+    assert float(mv.tags["eval.pass_at_1"]) == 0.5
+    assert len(mv.tags["shardrl.config_hash"]) == 12
+    local = Path(mv.source.replace("file://", ""))
+    assert (local / "model.safetensors").exists() and (local / "config.json").exists()
+    assert not list(local.glob("*.bin"))
