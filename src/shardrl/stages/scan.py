@@ -71,6 +71,22 @@ class Scanner:
         return todo
 
 
+CONSUMER = {"scored": "prepare", "ready": "learn"}
+"""The stage that reads (and may quarantine) each derived kind."""
+
+
 def output_names(store: Store, keys: RunKeys, kind: ShardKind) -> Callable[[int], set[str]]:
-    """`handled` for a stage whose output for an input is a shard of `kind` with the same name."""
-    return lambda version: {shard_name(k) for k in store.list(keys.version_prefix(kind, version))}
+    """`handled` for a stage whose output for an input is a shard of `kind` with the same name.
+
+    An output its consumer quarantined counts as handled: writing it again would let the
+    same samples be both quarantined and consumed.
+    """
+    def handled(version: int) -> set[str]:
+        prefix = keys.version_prefix(kind, version)
+        quarantined = keys.quarantine(CONSUMER[kind], prefix) if kind in CONSUMER else None
+        names = {shard_name(k) for k in store.list(prefix)}
+        if quarantined is not None:
+            names |= {shard_name(k) for k in store.list(quarantined) if k.endswith(".parquet")}
+        return names
+
+    return handled
