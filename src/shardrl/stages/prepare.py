@@ -80,6 +80,28 @@ class Preparer:
                                 update_moments=True)
 
     def prepare(self, table: pa.Table) -> pa.Table:
+        """The ready shard of a scored one. Rows whose reward or logprobs are not finite are
+        filtered with their reason and take no part in the statistics or the advantages."""
+        reasons = invalid_rows(table)
+        valid = np.array([r is None for r in reasons], dtype=bool)  # (B,)
+        total = np.zeros(len(table), np.float32)  # (B,)
+        adv = np.zeros(len(table), np.float32)  # (B,)
+        keep = np.zeros(len(table), bool)  # (B,)
+        if valid.any():
+            sub_total, sub_adv, sub_keep, sub_reasons = self._shape(table.filter(pa.array(valid)))
+            total[valid], adv[valid], keep[valid] = sub_total, sub_adv, sub_keep
+            rows = np.flatnonzero(valid)
+            for i, reason in zip(rows.tolist(), sub_reasons, strict=True):
+                reasons[i] = reason
+        out = table.append_column("reward_total", pa.array(total, pa.float32()))
+        out = out.append_column("advantage", pa.array(adv, pa.float32()))
+        out = out.append_column("keep", pa.array(keep, pa.bool_()))
+        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
+        self._log(out, torch.from_numpy(adv[valid]), torch.from_numpy(keep))
+        return out
+
+    def _shape(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+        """(reward_total, advantage, keep, filter_reason) of rows with finite numbers."""
         cfg = self.ctx.cfg
         algo = cfg.algo
         reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
@@ -113,17 +135,14 @@ class Preparer:
         reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
                    for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
         keep = keep & finite
-        out = table.append_column("reward_total", pa.array(total.numpy(), pa.float32()))
-        out = out.append_column("advantage", pa.array(torch.nan_to_num(adv).numpy(), pa.float32()))
-        out = out.append_column("keep", pa.array(keep.numpy(), pa.bool_()))
-        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
-        self._log(out, adv, keep)
-        return out
+        return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
+                reasons)
 
     def merged(self, name: str, ready: pa.Table, update_moments: bool = False) -> None:
         """Record a written ready shard in the persisted state (and its statistics if recovering)."""
         if update_moments and self.ctx.cfg.algo.shaping.normalize:
-            self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()))
+            valid = [r not in INVALID for r in ready.column("filter_reason").to_pylist()]
+            self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()[valid]))
         self.tracker.update(ready.column("prompt_id").to_pylist(), ready.column("correct").to_pylist())
         self.recent = (self.recent + [name])[-RECENT:]
         state = {"moments": {k: float(v) for k, v in self.moments.state_dict().items()},
@@ -143,19 +162,44 @@ class Preparer:
         return (kl * mask).sum(-1)
 
     def _log(self, table: pa.Table, adv: torch.Tensor, keep: torch.Tensor) -> None:
-        total = table.column("reward_total").to_numpy()
+        """Metrics of one shard; reward and advantage statistics cover the valid rows only."""
+        valid = [r not in INVALID for r in table.column("filter_reason").to_pylist()]
+        total = table.column("reward_total").to_numpy()[valid]
         version = int(table.column("policy_version")[0].as_py())
         rates = [r for r in (self.tracker.pass_rate(p) for p in
                              set(table.column("prompt_id").to_pylist())) if r is not None]
-        self.ctx.metrics.log(version, {
-            "reward_total_mean": float(total.mean()), "reward_total_std": float(total.std()),
+        values = {
             "effective_sample_rate": float(keep.float().mean()),
             "filter_rate": float(1.0 - keep.float().mean()),
-            "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
-            "advantage_abs_max": float(adv.abs().max()),
             "retired_prompts": float(len(self.tracker.retired())),
             "prompt_pass_rate_mean": float(np.mean(rates)) if rates else 0.0,
-        })
+        }
+        if len(adv):  # none when every row of the shard is invalid
+            values.update({
+                "reward_total_mean": float(total.mean()), "reward_total_std": float(total.std()),
+                "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
+                "advantage_abs_max": float(adv.abs().max()),
+            })
+        self.ctx.metrics.log(version, values)
+
+
+INVALID = ("non_finite_reward", "non_finite_logprobs")
+"""filter_reason of rows whose numbers cannot be trained on (kept out of every statistic)."""
+
+
+def invalid_rows(table: pa.Table) -> list[str | None]:
+    """Per row: None, or why its reward or its behaviour/reference logprobs are unusable."""
+    reasons: list[str | None] = [None] * len(table)
+    lp_ok = np.ones(len(table), bool)  # (B,)
+    for column in ("behavior_logprobs", "ref_logprobs"):
+        if table.column(column).null_count == 0:
+            lp_ok &= np.isfinite(padded_column(table, column)).all(axis=1)
+    reward_ok = np.isfinite(table.column("reward_rm").to_numpy())  # (B,)
+    for i in np.flatnonzero(~lp_ok).tolist():
+        reasons[i] = INVALID[1]
+    for i in np.flatnonzero(~reward_ok).tolist():
+        reasons[i] = INVALID[0]
+    return reasons
 
 
 def _init_beta(controller) -> float:
