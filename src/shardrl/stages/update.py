@@ -97,7 +97,8 @@ def compute_loss(cfg: RunConfig, model, table: pa.Table, pad_id: int, beta: floa
         metrics["value_loss"] = vloss.detach()
         metrics.update({k: v.detach() for k, v in vmetrics.items()})
     adv_valid = adv if adv.dim() == 1 else adv[mask > 0]
-    metrics["advantage_abs_max"] = adv_valid.abs().max().detach()
+    metrics["advantage_abs_max"] = (adv_valid.abs().max().detach() if adv_valid.numel()
+                                    else torch.zeros(()))  # no response token in the batch
     metrics["total_loss"] = loss.detach()
     return loss, metrics, batch
 
