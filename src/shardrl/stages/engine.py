@@ -13,6 +13,8 @@ class PolicyEngine:
     def __init__(self, ctx: StageContext, version: int) -> None:
         self.ctx = ctx
         model, self.tokenizer = load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir())
+        self.context: int | None = getattr(model.config, "max_position_embeddings", None)
+        """Longest prompt + response the model takes (None: unbounded)."""
         cfg = ctx.cfg
         if cfg.rollout.engine == "vllm":
             from ..engines.vllm import VLLMEngine

@@ -14,6 +14,9 @@ from .context import StageContext
 from .engine import PolicyEngine
 from .progress import read_progress, shards_per_step
 
+MAX_EMPTY_SHARDS = 20
+"""Rollout shards in a row whose every prompt was too long before the stage gives up."""
+
 
 def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
@@ -25,7 +28,7 @@ def main(ctx: StageContext) -> int:
     # synchronous training (k=0) must not run ahead of the learner by more than one step
     backlog_cap = min(rc.max_backlog_shards, (cfg.learner.max_staleness + 1) * per_step)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
-    written, paused = 0, False
+    written, paused, skipped = 0, False, 0
     while not ctx.done():
         if ctx.once and written >= per_step:
             break
@@ -43,7 +46,16 @@ def main(ctx: StageContext) -> int:
         # reserve the sequence number first: a crash leaves a gap, never two shards with one name
         state = {"next_seq": seq + 1, "version": engine.version}
         store.put_json(state_key, state)
-        items = _prompts(ctx, task, seq)
+        items = _fitting(ctx, engine, _prompts(ctx, task, seq), seq)
+        if not items:
+            skipped += 1
+            if skipped >= MAX_EMPTY_SHARDS:
+                raise RuntimeError(
+                    f"{skipped} rollout shards in a row had only prompts longer than the context "
+                    f"({engine.context} tokens with max_new_tokens {rc.max_new_tokens}): shorten "
+                    "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
+            continue
+        skipped = 0
         started = time.monotonic()
         groups = engine.engine.generate(engine.encode([it.prompt for it in items]), rc.group_size,
                                         temperature=rc.temperature, top_p=rc.top_p,
@@ -55,6 +67,27 @@ def main(ctx: StageContext) -> int:
         written += 1
         _log_metrics(ctx, engine.version, table, seconds)
     return 0
+
+
+def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:
+    """The items whose prompt leaves room for max_new_tokens in the model's context; the
+    others are recorded under quarantine/rollout/prompts/ with the reason."""
+    budget = ctx.cfg.rollout.max_new_tokens
+    if engine.context is None:
+        return items
+    lengths = [len(ids) for ids in engine.encode([it.prompt for it in items])]
+    fits = [n + budget <= engine.context for n in lengths]
+    if all(fits):
+        return items
+    too_long = [{"prompt_id": it.prompt_id, "prompt_tokens": n}
+                for it, n, ok in zip(items, lengths, fits, strict=True) if not ok]
+    key = ctx.keys.quarantine("rollout", ctx.keys.root + f"prompts/w{ctx.worker:02d}-{seq:06d}.json")
+    ctx.store.put_json(key, {
+        "reason": "prompt_too_long", "context": engine.context, "max_new_tokens": budget,
+        "message": f"prompt tokens + max_new_tokens {budget} exceed the model's context of "
+                   f"{engine.context} tokens", "prompts": too_long, "time": time.time()})
+    ctx.log.warning("%d prompt(s) longer than the context skipped: %s", len(too_long), key)
+    return [it for it, ok in zip(items, fits, strict=True) if ok]
 
 
 def _wait_for_policy(ctx: StageContext) -> int:
