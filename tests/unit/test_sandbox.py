@@ -6,6 +6,13 @@ import time
 
 import pytest
 
+from shardrl.tasks.rewards import (
+    RewardSpec,
+    VerifierTerm,
+    build_verifiers,
+    error_count,
+    score_batch,
+)
 from shardrl.tasks.sandbox import (
     SandboxLimits,
     extract_code,
@@ -122,3 +129,18 @@ def test_snippet_output_is_capped():
 def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("```py\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
     assert extract_code("print(3)") == "print(3)"
+
+
+def test_failing_samples_cost_only_themselves_and_are_counted():
+    """A batch where one response loops, one allocates without bound and one crashes: those
+    three get reward 0 with their reason, the others are scored as usual."""
+    spec = RewardSpec(verifiers=(VerifierTerm("python_exec"),), sandbox=LIMITS)
+    responses = ["print(45)", "while True:\n    pass", "x = bytearray(10**10)",
+                 "raise ValueError('boom')", "print(40 + 5)"]
+    rows = score_batch(spec, build_verifiers(spec), responses, ["45"] * 5, [1] * 5)
+    assert [r["reward_rm"] for r in rows] == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert [r["correct"] for r in rows] == [True, False, False, False, True]
+    assert [r["reward_error"] for r in rows] == [
+        None, "python_exec: timeout", "python_exec: memory",
+        "python_exec: crashed: ValueError: boom", None]
+    assert error_count(rows) == 3
