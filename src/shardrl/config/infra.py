@@ -104,6 +104,8 @@ class DoctorConfig(Section):
 
     kl_high: float = Field(10.0, gt=0.0)
     """kl_sum above this is a blow-up candidate."""
+    kl_mean_high: float = Field(1.0, gt=0.0)
+    """kl_mean (nats per token) above this is a blow-up candidate, whatever the length."""
     clip_frac_high: float = Field(0.3, gt=0.0, le=1.0)
     """Clip fraction above this is high."""
     kl_low: float = Field(1e-3, ge=0.0)
@@ -118,3 +120,23 @@ class DoctorConfig(Section):
     """A value this many times its running median is a spike."""
     window: int = Field(5, ge=2, le=10000)
     """Points per comparison window."""
+    min_steps: int = Field(10, ge=2, le=1_000_000)
+    """Steps of a series needed before a trend (rising, falling, flat) is judged."""
+    entropy_drop: float = Field(0.2, gt=0.0, lt=1.0)
+    """Entropy is falling when its mean from a KL rise on is this fraction below its mean before."""
+    reward_flat: float = Field(0.1, gt=0.0, le=100.0)
+    """reward_rm is flat when its early-to-recent change is below this many reward stds."""
+    reward_rise: float = Field(0.5, gt=0.0, le=100.0)
+    """reward_rm is climbing when its early-to-recent change exceeds this many reward stds."""
+    eval_drop: float = Field(0.05, gt=0.0, le=1.0)
+    """Held-out pass@1 falls when its latest value is this far below its best."""
+    agreement_drop: float = Field(0.05, gt=0.0, le=1.0)
+    """Verifier pass rate falls when its recent mean is this far below its early mean."""
+    length_drift: float = Field(1.5, gt=1.0, le=100.0)
+    """Response length drifts when its recent/early mean ratio leaves [1/x, x]."""
+    shift_min: float = Field(0.5, gt=0.0, le=100.0)
+    """A level shift must move the mean by this fraction of the metric's scale (collapse)."""
+    fit_min_points: int = Field(4, ge=3, le=10000)
+    """Held-out evaluations needed before the compute->pass-rate sigmoid is fitted."""
+    fit_bootstrap: int = Field(200, ge=0, le=100_000)
+    """Bootstrap resamples of the eval points for the fit's uncertainty (0: none)."""

@@ -1,0 +1,328 @@
+"""The doctor's rules: one small pure function per symptom, `rule(metrics, cfg) -> Finding | None`.
+
+Thresholds come from `cfg.doctor` (w = `window` points per comparison window). A trend
+compares the first w points of a series with its last w and is judged only once the series
+has `max(min_steps, 2w)` finite points. Rules other than the collapse rule look at finite
+values only; non-finite values are the collapse rule's evidence.
+
+  A  KL blow-up       at some step: clip_frac > clip_frac_high, KL above its limit (kl_mean >
+                      kl_mean_high or kl_sum > kl_high) and its past, staying there for w steps,
+                      and entropy over those steps entropy_drop below its mean before
+  B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
+                      reward_flat reward stds
+  C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
+                      the w points before it
+  D  reward hacking   reward_rm up by > reward_rise reward stds while held-out pass@1 falls
+                      eval_drop below its best, the verifier pass rate falls by agreement_drop,
+                      or the response length drifts beyond a factor length_drift
+  E  collapse         non-finite values or skipped steps; or a level shift: one step's change
+                      > spike_factor x the typical step change before it, with the next w points
+                      staying shifted by >= shift_min of the metric's scale (reward down; KL up
+                      to a mean above kl_high; length either way)
+  advantage           |advantage| > advantage_abs_max (ScaleRL)
+  filtering           filter rate > filter_rate_high, averaged over w consecutive steps
+  truncation          truncation rate > truncation_rate_high, averaged over w consecutive steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..config import RunConfig
+from ..config.infra import DoctorConfig
+from .findings import Evidence, Finding, evidence, make_finding
+from .series import Metrics, Series
+
+Rule = Callable[[Metrics, RunConfig], Finding | None]
+
+REWARD, REWARD_STD, PASS = "score/reward_rm_mean", "score/reward_rm_std", "score/pass_rate"
+KL_SUM, KL_MEAN = "learn/kl_sum", "learn/kl_mean"
+LENGTH, EVAL = "rollout/response_length_mean", "evaluate/pass_at_1"
+SPIKE_METRICS = ("learn/value_loss", "prepare/advantage_std", "learn/grad_norm")
+
+
+def _finite(m: Metrics, name: str) -> Series | None:
+    s = m.get(name)
+    s = s.finite() if s is not None else None
+    return s if s is not None and len(s) else None
+
+
+def _trend_ready(s: Series | None, d: DoctorConfig) -> bool:
+    return s is not None and len(s) >= max(d.min_steps, 2 * d.window)
+
+
+def _early_recent(s: Series, w: int) -> tuple[np.ndarray, np.ndarray]:
+    return s.values[:w], s.values[-w:]
+
+
+def _recent(s: Series, w: int, note: str) -> Evidence:
+    return evidence(s.name, s.steps[-w:], s.values[-w:], note)
+
+
+def reward_scale(m: Metrics) -> float:
+    """The reward's natural unit: the mean within-batch std of reward_rm (floored at 1e-6)."""
+    s = _finite(m, REWARD_STD)
+    return max(float(np.mean(s.values)), 1e-6) if s is not None else 1e-6
+
+
+def _aligned(*series: Series) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The steps every series has (K,), and each series' values at them (K,)."""
+    steps = series[0].steps
+    for s in series[1:]:
+        steps = np.intersect1d(steps, s.steps)
+    return steps, [s.values[np.searchsorted(s.steps, steps)] for s in series]
+
+
+def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """Symptom A: KL to the reference shoots up, with a high clip fraction and falling entropy.
+
+    Step i qualifies when clip_frac[i] > clip_frac_high; KL (kl_mean vs kl_mean_high, or
+    kl_sum vs kl_high) is above the limit at i, above its median before i, and its median
+    over [i, i+w) stays above the limit; and mean entropy over [i, i+w) is entropy_drop below
+    its mean before i. Blow-ups can take only a few steps, so this is judged step by step.
+    """
+    d, w = cfg.doctor, cfg.doctor.window
+    clip, ent = _finite(m, "learn/clip_frac"), _finite(m, "learn/entropy")
+    if clip is None or ent is None:
+        return None
+    for name, limit in ((KL_MEAN, d.kl_mean_high), (KL_SUM, d.kl_high)):
+        kl = _finite(m, name)
+        if kl is None:
+            continue
+        steps, (k, c, e) = _aligned(kl, clip, ent)
+        for i in range(1, len(steps)):
+            after_kl, after_e = k[i:i + w], e[i:i + w]
+            if (c[i] > d.clip_frac_high and k[i] > limit and k[i] > np.median(k[:i])
+                    and np.median(after_kl) > limit
+                    and np.mean(after_e) < (1 - d.entropy_drop) * np.mean(e[:i])):
+                end = min(i + w, len(steps))
+                ev = [
+                    evidence(name, steps[:end], k[:end],
+                             f"{k[i]:.3g} at step {steps[i]} > {limit:g}, median "
+                             f"{np.median(after_kl):.3g} from there (before: "
+                             f"{np.median(k[:i]):.3g})"),
+                    evidence(clip.name, steps[:end], c[:end],
+                             f"{c[i]:.3g} at step {steps[i]} > clip_frac_high "
+                             f"{d.clip_frac_high:g}"),
+                    evidence(ent.name, steps[:end], e[:end],
+                             f"mean {np.mean(e[:i]):.3g} before step {steps[i]}, "
+                             f"{np.mean(after_e):.3g} from there"),
+                ]
+                return make_finding("A", "KL to the reference blows up with a high clip "
+                                         "fraction and falling entropy", ev, cfg, int(steps[i]))
+    return None
+
+
+def kl_stuck(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """Symptom B: per-token KL near zero for a long time while reward_rm does not move."""
+    d, w = cfg.doctor, cfg.doctor.window
+    kl, rew = _finite(m, KL_MEAN), _finite(m, REWARD)
+    if not (_trend_ready(kl, d) and _trend_ready(rew, d)):
+        return None
+    kl_recent = float(np.median(kl.values[-w:]))
+    early, recent = (float(np.mean(v)) for v in _early_recent(rew, w))
+    scale = reward_scale(m)
+    if kl_recent >= d.kl_low or abs(recent - early) > d.reward_flat * scale:
+        return None
+    ev = [_recent(kl, w, f"median {kl_recent:.3g} over the last {w} steps < kl_low {d.kl_low:g}"),
+          evidence(rew.name, rew.steps, rew.values,
+                   f"mean {early:.3g} -> {recent:.3g}: change within {d.reward_flat:g} reward "
+                   f"std ({scale:.3g})")]
+    for name in ("learn/entropy", "learn/clip_frac"):
+        s = _finite(m, name)
+        if s is not None:
+            ev.append(_recent(s, w, "for context"))
+    return make_finding("B", "KL stays near zero and the reward does not move: the policy "
+                             "hardly learns", ev, cfg)
+
+
+def spike_indices(values: np.ndarray, w: int, factor: float) -> list[int]:
+    """Indices i >= w with values[i] > factor * median(values[i-w:i]) (a positive median)."""
+    out = []
+    for i in range(w, len(values)):
+        base = float(np.median(values[i - w:i]))
+        if base > 0 and values[i] > factor * base:
+            out.append(i)
+    return out
+
+
+def spikes(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """Symptom C: value loss, advantage std or gradient norm spike above their running median."""
+    d, ev = cfg.doctor, []
+    for name in SPIKE_METRICS:
+        s = _finite(m, name)
+        if s is None:
+            continue
+        idx = spike_indices(s.values, d.window, d.spike_factor)
+        if idx:
+            ev.append(evidence(name, s.steps[idx], s.values[idx],
+                               f"{len(idx)} point(s) above {d.spike_factor:g}x the median of "
+                               f"the {d.window} before"))
+    if not ev:
+        return None
+    names = ", ".join(e.metric.split("/")[1] for e in ev)
+    return make_finding("C", f"spikes in {names}: training oscillates", ev, cfg)
+
+
+def reward_hacking(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """Symptom D: reward_rm climbs while held-out pass rate or verifier agreement falls, or the
+    response length drifts."""
+    d, w = cfg.doctor, cfg.doctor.window
+    rew = _finite(m, REWARD)
+    if not _trend_ready(rew, d):
+        return None
+    early, recent = (float(np.mean(v)) for v in _early_recent(rew, w))
+    scale = reward_scale(m)
+    if recent - early <= d.reward_rise * scale:
+        return None
+    signs = []
+    ev_s = _finite(m, EVAL)
+    if ev_s is not None and len(ev_s) >= 2:
+        best = float(np.max(ev_s.values[:-1]))
+        if ev_s.values[-1] < best - d.eval_drop:
+            signs.append(evidence(EVAL, ev_s.steps, ev_s.values,
+                                  f"latest {ev_s.values[-1]:.3g} < best {best:.3g} - eval_drop"))
+    agree = _finite(m, PASS)
+    if _trend_ready(agree, d):
+        a0, a1 = (float(np.mean(v)) for v in _early_recent(agree, w))
+        if a1 < a0 - d.agreement_drop:
+            signs.append(_recent(agree, w, f"verifier pass rate {a0:.3g} -> {a1:.3g}"))
+    length = _finite(m, LENGTH)
+    if _trend_ready(length, d):
+        l0, l1 = (float(np.mean(v)) for v in _early_recent(length, w))
+        if l0 > 0 and not 1 / d.length_drift <= l1 / l0 <= d.length_drift:
+            signs.append(_recent(length, w, f"mean length {l0:.3g} -> {l1:.3g} "
+                                            f"(beyond x{d.length_drift:g})"))
+    if not signs:
+        return None
+    ev = [evidence(rew.name, rew.steps, rew.values,
+                   f"mean {early:.3g} -> {recent:.3g}: up more than {d.reward_rise:g} reward std")]
+    return make_finding("D", "the reward climbs but " + " and ".join(
+        {EVAL: "held-out pass@1 falls", PASS: "the verifier disagrees",
+         LENGTH: "the length drifts"}[e.metric] for e in signs), ev + signs, cfg)
+
+
+def level_shift(values: np.ndarray, w: int, factor: float, min_change: Callable[[np.ndarray],
+                float], direction: int) -> int | None:
+    """First index i where the series jumps to a new level and stays there.
+
+    Step i qualifies when |x[i] - x[i-1]| > factor * median(|diff(x[i-w:i])|), the mean of
+    x[i:i+w] differs from that of x[i-w:i] in the jump's direction by at least half the jump
+    and by at least `min_change(x[i-w:i])`, and `direction` (+1 up, -1 down, 0 either) agrees.
+    A one-point spike fails the "stays there" test.
+    """
+    for i in range(w, len(values) - w + 1):
+        before, after = values[i - w:i], values[i:i + w]
+        jump = values[i] - values[i - 1]
+        change = float(np.mean(after) - np.mean(before))
+        typical = float(np.median(np.abs(np.diff(before))))
+        if (direction * jump >= 0 and abs(jump) > factor * typical and change * jump > 0
+                and abs(change) >= 0.5 * abs(jump) and abs(change) >= min_change(before)):
+            return i
+    return None
+
+
+def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """Symptom E: non-finite values, skipped steps, or a sudden lasting shift in reward (down),
+    KL (up) or response length (either way)."""
+    d, w = cfg.doctor, cfg.doctor.window
+    ev = []
+    for name in m.names():
+        s = m.get(name)
+        bad = ~np.isfinite(s.values)
+        if bad.any():
+            ev.append(evidence(name, s.steps[bad], s.values[bad], f"{int(bad.sum())} non-finite"))
+    skipped = _finite(m, "learn/skipped_steps")
+    if skipped is not None and skipped.values[-1] > 0:
+        ev.append(evidence(skipped.name, skipped.steps, skipped.values,
+                           "steps skipped for a non-finite loss or gradient"))
+    scale = reward_scale(m)
+
+    def relative(before: np.ndarray) -> float:
+        return d.shift_min * max(abs(float(np.mean(before))), float(np.std(before)))
+
+    # (metric, direction, smallest change, level the new mean must pass): KL growing from ~0
+    # early on is normal, so a KL shift counts only when it lands above kl_high
+    checks = ((REWARD, -1, lambda before: d.shift_min * scale, -np.inf),
+              (KL_SUM, 1, relative, d.kl_high), (LENGTH, 0, relative, -np.inf))
+    for name, direction, min_change, above in checks:
+        s = _finite(m, name)
+        i = None if s is None else level_shift(s.values, w, d.spike_factor, min_change, direction)
+        if i is not None and np.mean(s.values[i:i + w]) > above:
+            before, after = np.mean(s.values[i - w:i]), np.mean(s.values[i:i + w])
+            ev.append(evidence(name, s.steps[i - w:i + w], s.values[i - w:i + w],
+                               f"level shift at step {int(s.steps[i])}: mean {before:.3g} -> "
+                               f"{after:.3g}"))
+    if not ev:
+        return None
+    return make_finding("E", "metrics broke down mid-run: " + ", ".join(
+        dict.fromkeys(e.metric for e in ev)), ev, cfg)
+
+
+def _over(m: Metrics, cfg: RunConfig, name: str, limit: float, code: str,
+          what: str) -> Finding | None:
+    """A rate whose mean over some w consecutive steps exceeds `limit`."""
+    w = cfg.doctor.window
+    s = _finite(m, name)
+    if s is None or len(s) < w:
+        return None
+    rolling = np.convolve(s.values, np.ones(w) / w, mode="valid")  # (N - w + 1,)
+    hits = np.flatnonzero(rolling > limit)
+    if not len(hits):
+        return None
+    end = int(hits[0]) + w
+    return make_finding(code, f"{what} {rolling[hits[0]]:.0%} over {w} steps", [evidence(
+        name, s.steps[:end], s.values[:end],
+        f"mean {rolling[hits[0]]:.3g} over steps {int(s.steps[end - w])}-{int(s.steps[end - 1])}"
+        f" > {limit:g}")], cfg)
+
+
+def advantage_explosion(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """ScaleRL alert: |advantage| above advantage_abs_max."""
+    limit, ev = cfg.doctor.advantage_abs_max, []
+    for name in ("prepare/advantage_abs_max", "learn/advantage_abs_max"):
+        s = _finite(m, name)
+        if s is not None and (s.values > limit).any():
+            big = s.values > limit
+            ev.append(evidence(name, s.steps[big], s.values[big], f"|A| > {limit:g}"))
+    if not ev:
+        return None
+    return make_finding("advantage", f"|advantage| above {limit:g}", ev, cfg)
+
+
+def over_filtering(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """ScaleRL alert: the zero-variance filter drops most samples."""
+    return _over(m, cfg, "prepare/filter_rate", cfg.doctor.filter_rate_high, "filtering",
+                 "the filters drop")
+
+
+def truncation(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """ScaleRL alert: many responses hit the token limit."""
+    return _over(m, cfg, "rollout/truncation_rate", cfg.doctor.truncation_rate_high,
+                 "truncation", "responses truncated at the limit:")
+
+
+RULES: tuple[tuple[str, Rule, tuple[str, ...]], ...] = (
+    ("A", kl_blowup, (KL_MEAN, "learn/clip_frac", "learn/entropy")),
+    ("B", kl_stuck, (KL_MEAN, REWARD)),
+    ("C", spikes, ("learn/grad_norm",)),
+    ("D", reward_hacking, (REWARD,)),
+    ("E", collapse, ()),
+    ("advantage", advantage_explosion, ("prepare/advantage_abs_max",)),
+    ("filtering", over_filtering, ("prepare/filter_rate",)),
+    ("truncation", truncation, ("rollout/truncation_rate",)),
+)
+"""(code, rule, metrics it needs) in the checklist's order."""
+
+
+def diagnose(m: Metrics, cfg: RunConfig) -> list[Finding]:
+    """Every finding of the run's metrics, in the checklist's order."""
+    return [f for _, rule, _ in RULES if (f := rule(m, cfg)) is not None]
+
+
+def unassessed(m: Metrics) -> dict[str, list[str]]:
+    """Rules that could not look at this run: code -> the metrics it lacks."""
+    return {code: missing for code, _, needs in RULES
+            if (missing := [n for n in needs if n not in m])}

@@ -1,0 +1,178 @@
+"""Metric series of a run, from its store (`metrics/<stage>/*.parquet`) or from MLflow.
+
+A run's metrics are points `(name, step, value)`; names are namespaced `stage/name` and the
+step is the policy version. Several points can share a step (one per rollout shard), so a
+`Series` holds one value per step: the mean of its points, or the largest for maxima and
+running counters. Non-finite values are kept: the collapse rule looks for them.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.parquet as pq
+import yaml
+
+from ..config import RunConfig
+from ..store import RunKeys, Store, open_store
+
+Point = tuple[str, int, float]
+"""(name, step, value)"""
+
+# per-step reduction by the maximum: maxima, and counters that only grow
+_MAX_SUFFIXES = ("_max", "stale_dropped", "skipped_steps", "retired_prompts")
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric: `steps` (N,) strictly increasing, `values` (N,) float64."""
+
+    name: str
+    steps: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def finite(self) -> Series:
+        """The points whose value is finite."""
+        ok = np.isfinite(self.values)
+        return Series(self.name, self.steps[ok], self.values[ok])
+
+
+def reduce_points(name: str, steps: Iterable[int], values: Iterable[float]) -> Series:
+    """One value per step: mean of that step's points (max for maxima and counters)."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for s, v in zip(steps, values, strict=True):
+        by_step[int(s)].append(float(v))
+    use_max = name.endswith(_MAX_SUFFIXES)
+    ordered = sorted(by_step)
+    reduced = [max(by_step[s]) if use_max and all(np.isfinite(by_step[s]))
+               else float(np.mean(by_step[s])) for s in ordered]
+    return Series(name, np.asarray(ordered, dtype=np.int64), np.asarray(reduced, dtype=np.float64))
+
+
+class Metrics:
+    """All series of a run by name; `m.get("learn/kl_sum")` is None when never logged."""
+
+    def __init__(self, series: dict[str, Series]) -> None:
+        self.series = series
+
+    @classmethod
+    def from_points(cls, points: Iterable[Point]) -> Metrics:
+        grouped: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        for name, step, value in points:
+            grouped[name][0].append(int(step))
+            grouped[name][1].append(float(value))
+        return cls({n: reduce_points(n, s, v) for n, (s, v) in grouped.items()})
+
+    def get(self, name: str) -> Series | None:
+        return self.series.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.series)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.series
+
+    def to_points(self) -> list[Point]:
+        """Every (name, step, value) after the per-step reduction (for fixtures and JSON)."""
+        return [(s.name, int(t), float(v)) for s in self.series.values()
+                for t, v in zip(s.steps, s.values, strict=True)]
+
+
+def read_chunk(store: Store, key: str) -> list[Point]:
+    """The points of one metrics chunk (a METRICS Parquet table)."""
+    table = pq.read_table(io.BytesIO(store.get_bytes(key)), columns=["name", "step", "value"])
+    return list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
+                    table.column("value").to_pylist(), strict=True))
+
+
+class ChunkReader:
+    """Reads a run's metric chunks incrementally: each chunk once, points accumulated."""
+
+    def __init__(self, store: Store, keys: RunKeys) -> None:
+        self.store, self.keys = store, keys
+        self.seen: set[str] = set()
+        self.points: list[Point] = []
+
+    def poll(self) -> int:
+        """Read the chunks written since the last poll; returns how many were new."""
+        new = [k for k in self.store.list(self.keys.root + "metrics/")
+               if k.endswith(".parquet") and k not in self.seen]
+        for key in new:
+            self.points += read_chunk(self.store, key)
+            self.seen.add(key)
+        return len(new)
+
+    def metrics(self) -> Metrics:
+        return Metrics.from_points(self.points)
+
+
+def load_store_metrics(store: Store, keys: RunKeys) -> Metrics:
+    """Every metric series of the run in `store`."""
+    reader = ChunkReader(store, keys)
+    reader.poll()
+    return reader.metrics()
+
+
+def load_mlflow_metrics(client, run_id: str) -> Metrics:
+    """Every metric series of MLflow run `run_id` (`client`: an `MlflowClient`)."""
+    points: list[Point] = []
+    for name in client.get_run(run_id).data.metrics:
+        points += [(name, m.step, m.value) for m in client.get_metric_history(run_id, name)]
+    return Metrics.from_points(points)
+
+
+@dataclass
+class RunHandle:
+    """A run found in a store: where it lives and its validated config."""
+
+    store: Store
+    keys: RunKeys
+    cfg: RunConfig
+
+
+def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
+    """The run `run_id` in `store_uri` (default: the config's default store), or None when the
+    store holds no `run.json` for it."""
+    store = open_store(store_uri or RunConfig().store.uri)
+    try:
+        keys = RunKeys(run_id)
+    except ValueError:
+        return None
+    if not store.exists(keys.run_json()):
+        return None
+    cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
+    return RunHandle(store, keys, cfg)
+
+
+def mlflow_config(client, run_id: str) -> RunConfig:
+    """The run config recorded as MLflow params (flattened `section.field` strings); when they
+    do not validate, defaults with the params' `doctor.*` thresholds."""
+    params = client.get_run(run_id).data.params
+    nested: dict = {}
+    for key, text in params.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _param_value(text)
+    try:
+        return RunConfig.model_validate(nested)
+    except ValueError:
+        return RunConfig.model_validate({"doctor": nested.get("doctor", {})})
+
+
+def _param_value(text: str):
+    """A param logged as `str(value)` back to a value: None, numbers, booleans, lists, text."""
+    if text == "None":
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text

@@ -1,0 +1,76 @@
+"""ScaleRL's sigmoid fit: known parameters are recovered from noisy points; too few refuse."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from shardrl.doctor import Metrics
+from shardrl.doctor.fit import (
+    NotEnoughData,
+    ScalingFit,
+    eval_points,
+    fit_scaling,
+    param_count,
+    sigmoid,
+)
+from shardrl.store import LocalStore, RunKeys
+
+A, B, C_MID, R0 = 0.8, 1.5, 1e5, 0.1
+
+
+def test_sigmoid_by_hand():
+    # C = C_mid: R0 + (A - R0) / 2 = 0.1 + 0.35; C = 0: R0; C -> inf: A
+    r = sigmoid(np.array([C_MID, 0.0, 1e15]), A, B, C_MID, R0)
+    assert r == pytest.approx([0.45, 0.1, 0.8], abs=1e-9)
+
+
+@pytest.mark.parametrize("with_baseline", [True, False])
+def test_fit_recovers_known_parameters_from_noisy_points(with_baseline):
+    rng = np.random.default_rng(0)
+    c = np.logspace(3.5, 6.5, 14)  # from 0.03 to 30 x C_mid
+    if with_baseline:
+        c = np.r_[0.0, c]
+    r = sigmoid(c, A, B, C_MID, R0) + rng.normal(0, 0.01, len(c))
+    fit = fit_scaling(c, r, n_boot=40, seed=1)
+    assert isinstance(fit, ScalingFit) and fit.r0_fixed == with_baseline
+    assert fit.a == pytest.approx(A, abs=0.03)
+    assert fit.b == pytest.approx(B, abs=0.3)
+    assert fit.c_mid == pytest.approx(C_MID, rel=0.15)
+    assert fit.r0 == pytest.approx(R0, abs=0.03)
+    assert fit.n_boot > 30 and fit.a_ci[0] < fit.a < fit.a_ci[1]
+    assert fit.c_mid_ci[0] < fit.c_mid < fit.c_mid_ci[1]
+    assert "A (asymptote) 0.7" in fit.summary(6e6) and "FLOPs" in fit.summary(6e6)
+
+
+def test_too_few_points_say_not_enough_data():
+    c = np.array([0.0, 1e4, 1e5])
+    fit = fit_scaling(c, sigmoid(c, A, B, C_MID, R0))
+    assert isinstance(fit, NotEnoughData) and fit.n_points == 3 and fit.needed == 4
+    assert fit.summary().startswith("not enough data")
+    # four points without a C = 0 baseline leave four free parameters: still refused
+    assert isinstance(fit_scaling(np.array([1e3, 1e4, 1e5]), np.array([0.2, 0.3, 0.5]),
+                                  min_points=3), NotEnoughData)
+
+
+def test_eval_points_accumulate_learner_tokens():
+    # tokens 10, 20, 30, 40 at steps 1..4: cumulative 0 at v0, 30 at v2, 100 at v4
+    pts = [("learn/tokens", s, 10.0 * s) for s in range(1, 5)]
+    pts += [("evaluate/pass_at_1", v, p) for v, p in [(0, 0.1), (2, 0.2), (4, 0.3)]]
+    versions, compute, rate = eval_points(Metrics.from_points(pts))
+    assert versions.tolist() == [0, 2, 4] and compute.tolist() == [0.0, 30.0, 100.0]
+    assert rate.tolist() == [0.1, 0.2, 0.3]
+
+
+def test_param_count_from_safetensors_header(tmp_path):
+    store, keys = LocalStore(tmp_path), RunKeys("r1")
+    header = json.dumps({"__metadata__": {}, "w": {"dtype": "F32", "shape": [3, 4],
+                                                   "data_offsets": [0, 48]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}).encode()
+    store.put_bytes(keys.policy_file(0, "model.safetensors"),
+                    struct.pack("<Q", len(header)) + header + bytes(64))
+    assert param_count(store, keys) == 16  # 3 * 4 + 4
+    assert param_count(store, RunKeys("other")) is None

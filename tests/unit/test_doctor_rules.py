@@ -1,0 +1,227 @@
+"""Each doctor rule on synthetic series: the intended finding fires, and only it.
+
+`base()` is a calm 20-step run with every metric the rules read: reward creeping up
+(0.3 + 0.005 i, within-batch std 0.4), per-token KL 0.01 + 0.0005 i, kl_sum 0.2 + 0.01 i,
+clip fraction 0.05, entropy 1 - 0.005 i, grad norm ~1, value loss ~0.5, length ~20,
+truncation 1%, filter rate 20%, |A| <= 3, held-out pass@1 rising 0.30 -> 0.36.
+A symptom test replaces a few of these series. Default thresholds (window 5, min_steps 10).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from shardrl.config import RunConfig, load_config
+from shardrl.doctor import Finding, Metrics, diagnose, format_finding
+from shardrl.doctor.rules import level_shift, spike_indices
+
+N = 20
+STEP = np.arange(N)
+CFG = RunConfig.model_validate({"algo": {"kl": {"placement": "loss",
+                                                "controller": {"kind": "fixed", "beta": 0.05}}}})
+"""KL to the reference in the loss with a fixed beta, as the synthetic series assume."""
+
+
+def base() -> dict[str, np.ndarray]:
+    return {
+        "learn/kl_sum": 0.2 + 0.01 * STEP, "learn/kl_mean": 0.01 + 0.0005 * STEP,
+        "learn/clip_frac": np.full(N, 0.05), "learn/entropy": 1.0 - 0.005 * STEP,
+        "learn/grad_norm": 1.0 + 0.1 * np.sin(STEP), "learn/value_loss": 0.5 + 0.05 * np.cos(STEP),
+        "learn/skipped_steps": np.zeros(N), "learn/beta": np.full(N, 0.05),
+        "learn/policy_loss": 0.1 * np.sin(STEP),
+        "prepare/advantage_std": 1.0 + 0.02 * np.sin(STEP),
+        "prepare/advantage_abs_max": np.full(N, 3.0), "prepare/filter_rate": np.full(N, 0.2),
+        "rollout/truncation_rate": np.full(N, 0.01),
+        "rollout/response_length_mean": 20 + 0.5 * np.sin(STEP),
+        "score/reward_rm_mean": 0.3 + 0.005 * STEP, "score/reward_rm_std": np.full(N, 0.4),
+        "score/pass_rate": 0.3 + 0.005 * STEP,
+    }
+
+
+def metrics(series: dict[str, np.ndarray], evals=(0.30, 0.32, 0.34, 0.36)) -> Metrics:
+    points = [(name, int(i), float(v)) for name, values in series.items()
+              for i, v in enumerate(values)]
+    points += [("evaluate/pass_at_1", 5 * j, v) for j, v in enumerate(evals)]
+    return Metrics.from_points(points)
+
+
+def codes(m: Metrics, cfg: RunConfig | None = None) -> list[str]:
+    return [f.code for f in diagnose(m, cfg or CFG)]
+
+
+def test_calm_synthetic_run_has_no_findings():
+    assert codes(metrics(base())) == []
+
+
+def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
+    s = base()
+    # clip 0.05 + 0.03 i passes 0.3 from i = 9; kl_sum 1.25**i passes kl_high 10 from i = 11
+    # (11.6), above the median before it and with median 1.25**13 = 18.2 over i = 11..15;
+    # entropy 1 - 0.04 i: mean over i = 11..15 is 0.48 < 0.8 x 0.8 (its mean over i < 11).
+    # (kl_mean stays 0.01 + 0.0005 i, below kl_mean_high 1: the kl_sum limit decides.)
+    s["learn/kl_sum"] = 1.25 ** STEP
+    s["learn/clip_frac"] = 0.05 + 0.03 * STEP
+    s["learn/entropy"] = 1.0 - 0.04 * STEP
+    m = metrics(s)
+    assert codes(m) == ["A"]
+    (f,) = diagnose(m, CFG)
+    assert f.step == 11 and [e.metric for e in f.evidence] == [
+        "learn/kl_sum", "learn/clip_frac", "learn/entropy"]
+    assert f.evidence[0].steps[-1] == 15
+    assert f.evidence[0].values[-1] == pytest.approx(1.25 ** 15)
+    # the checklist's order: policy lr first, then the KL constraint, reward scale, length
+    assert f.remedies[0].keys == ("learner.lr",)
+    assert f.config_keys[:2] == ("learner.lr", "algo.kl.controller.beta")
+    # thresholds come from cfg.doctor: kl_sum never passes kl_high 100 (1.25**19 = 69)
+    assert codes(m, CFG.model_copy(update={"doctor": CFG.doctor.model_copy(
+        update={"kl_high": 100.0})})) == []
+    # a per-token KL above kl_mean_high (1 nat) fires A on its own
+    s2 = {**s, "learn/kl_sum": base()["learn/kl_sum"], "learn/kl_mean": 0.1 * 1.25 ** STEP}
+    assert codes(metrics(s2)) == ["A"]
+    # all three signals are needed: steady entropy alone keeps A quiet
+    s["learn/entropy"] = base()["learn/entropy"]
+    assert codes(metrics(s)) == []
+
+
+def test_b_kl_near_zero_and_reward_flat():
+    s = base()
+    s["learn/kl_mean"] = np.full(N, 1e-4)
+    s["learn/kl_sum"] = np.full(N, 2e-3)
+    # reward 0.3 + 0.01 sin(i): early mean 0.3028, recent 0.2994: |change| 0.003 < 0.1 * 0.4
+    s["score/reward_rm_mean"] = 0.3 + 0.01 * np.sin(STEP)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    s["learn/entropy"] = np.full(N, 1.0)
+    m = metrics(s)
+    assert codes(m) == ["B"]
+    # too early to call: 9 steps < min_steps 10
+    short = Metrics.from_points((n, int(t), float(v)) for n, t, v in m.to_points() if t < 9)
+    assert codes(short) == []
+
+
+def test_c_value_loss_and_grad_norm_spikes():
+    s = base()
+    s["learn/grad_norm"][12] = 20.0  # median of i=7..11 is ~1.0: 20 > 5x
+    s["learn/value_loss"][14] = 8.0  # median of i=9..13 is ~0.5
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "C"
+    assert {e.metric: e.steps for e in f.evidence} == {
+        "learn/value_loss": (14,), "learn/grad_norm": (12,)}
+
+
+@pytest.mark.parametrize("variant", ["eval_falls", "verifier_disagrees", "length_drifts"])
+def test_d_reward_hacking(variant):
+    s = base()
+    # reward 0.3 + 0.03 i: early mean 0.36, recent 0.81: +0.45 > 0.5 * 0.4
+    s["score/reward_rm_mean"] = 0.3 + 0.03 * STEP
+    evals = (0.30, 0.32, 0.34, 0.36)
+    if variant == "eval_falls":
+        evals = (0.30, 0.35, 0.28, 0.20)  # latest 0.20 < best 0.35 - 0.05
+    elif variant == "verifier_disagrees":
+        s["score/pass_rate"] = 0.5 - 0.015 * STEP  # early mean 0.47, recent 0.245
+    else:
+        s["rollout/response_length_mean"] = 20 * 1.08 ** STEP  # recent/early mean 3.4 > 1.5
+    m = metrics(s, evals)
+    (f,) = diagnose(m, CFG)
+    assert f.code == "D"
+    assert f.evidence[0].metric == "score/reward_rm_mean" and len(f.evidence) == 2
+    # climbing reward with nothing contradicting it is just learning
+    assert codes(metrics({**base(), "score/reward_rm_mean": 0.3 + 0.03 * STEP})) == []
+
+
+def test_e_sudden_reward_drop_and_length_shift():
+    s = base()
+    # reward drops from 0.355 to 0.05 at step 12 (typical step change 0.005) and stays there;
+    # length jumps from ~20 to 35 at the same step
+    s["score/reward_rm_mean"] = np.where(STEP < 12, 0.3 + 0.005 * STEP, 0.05)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    s["rollout/response_length_mean"] = np.where(STEP < 12, 20.0, 35.0)
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E"
+    assert [e.metric for e in f.evidence] == ["score/reward_rm_mean",
+                                              "rollout/response_length_mean"]
+    assert "level shift at step 12" in f.evidence[0].note
+
+
+def test_e_kl_jump_counts_only_when_it_lands_above_kl_high():
+    s = base()
+    # kl_sum steps from 0.2 to 2 at i = 10 and stays: a lasting shift, but 2 < kl_high 10 is
+    # still a plausible KL (it often grows from ~0 early on): no finding
+    s["learn/kl_sum"] = np.where(STEP < 10, 0.2, 2.0)
+    assert codes(metrics(s)) == []
+    s["learn/kl_sum"] = np.where(STEP < 10, 0.2, 20.0)  # lands above kl_high: collapse
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E" and "level shift at step 10" in f.evidence[0].note
+
+
+def test_e_non_finite_values_and_skipped_steps():
+    s = base()
+    s["learn/grad_norm"] = np.where(STEP == 15, math.nan, s["learn/grad_norm"])
+    s["learn/policy_loss"] = np.where(STEP == 15, math.inf, s["learn/policy_loss"])
+    s["learn/skipped_steps"] = (STEP >= 15).astype(float)
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E"
+    ev = {e.metric: e for e in f.evidence}
+    assert ev["learn/grad_norm"].steps == (15,) and math.isnan(ev["learn/grad_norm"].values[0])
+    assert ev["learn/policy_loss"].values == (math.inf,)
+    assert "learn/skipped_steps" in ev
+
+
+@pytest.mark.parametrize(("name", "values", "code"), [
+    ("prepare/advantage_abs_max", np.where(STEP == 10, 150.0, 3.0), "advantage"),
+    ("prepare/filter_rate", np.where(STEP >= 8, 0.6, 0.2), "filtering"),
+    ("rollout/truncation_rate", np.full(N, 0.15), "truncation"),
+])
+def test_scalerl_alerts(name, values, code):
+    s = base()
+    s[name] = values
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == code
+
+
+def test_filter_alert_needs_a_sustained_rate():
+    s = base()
+    # one step at 100% among 20%: the best 5-step mean is (1 + 4 * 0.2) / 5 = 0.36 <= 0.5
+    s["prepare/filter_rate"] = np.where(STEP == 10, 1.0, 0.2)
+    assert codes(metrics(s)) == []
+
+
+def test_spike_indices_by_hand():
+    # i=3: median(1, 2, 1) = 1, 9 > 5 * 1; i=4: median(2, 1, 9) = 2, 3 < 10
+    assert spike_indices(np.array([1.0, 2.0, 1.0, 9.0, 3.0]), 3, 5.0) == [3]
+
+
+def test_level_shift_ignores_a_one_point_spike():
+    spike = np.array([1.0, 1.1, 1.0, 1.1, 1.0, 9.0, 1.0, 1.1, 1.0, 1.1, 1.0])
+    shift = np.array([1.0, 1.1, 1.0, 1.1, 1.0, 9.0, 9.1, 9.0, 9.1, 9.0, 9.1])
+    assert level_shift(spike, 5, 5.0, lambda b: 0.5, 0) is None
+    assert level_shift(shift, 5, 5.0, lambda b: 0.5, 0) == 5
+    assert level_shift(shift, 5, 5.0, lambda b: 0.5, -1) is None  # it went up, not down
+
+
+def test_remedy_keys_follow_the_kl_controller():
+    s = base()
+    s["learn/kl_sum"], s["learn/clip_frac"] = 1.25 ** STEP, 0.05 + 0.03 * STEP
+    s["learn/entropy"] = 1.0 - 0.04 * STEP
+    adaptive = load_config("ppo-rlhf")
+    (f,) = diagnose(metrics(s), adaptive)
+    assert f.remedies[1].keys == ("algo.kl.controller.target",)
+    # ppo-rlhf has a critic: the value-head remedy of symptom C is not marked inapplicable
+    s = base()
+    s["learn/value_loss"][14] = 8.0
+    (c,) = diagnose(metrics(s), adaptive)
+    assert "needs a critic" not in c.remedies[1].action
+    (c,) = diagnose(metrics(s), RunConfig())
+    assert "needs a critic" in c.remedies[1].action
+
+
+def test_finding_round_trips_and_formats_in_order():
+    s = base()
+    s["rollout/truncation_rate"] = np.full(N, 0.15)
+    (f,) = diagnose(metrics(s), CFG)
+    assert Finding.from_dict(f.to_dict()) == f
+    text = format_finding(f)
+    assert text.index("1. audit truncated") < text.index("2. penalise") < text.index("3. check")
+    assert "rollout.max_new_tokens" in text
