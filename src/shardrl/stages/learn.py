@@ -14,9 +14,11 @@ from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from ..algo import get_kl_controller, lr_schedule
+from ..learner_backends import build_backend
 from ..models.io import state_dict_bytes
 from ..store import parse_shard_key
 from ..store.schemas import READY
@@ -26,7 +28,10 @@ from .context import StageContext
 from .policy import fetch_weights, load_policy, point_latest, publish_weights
 from .progress import progress_key, read_progress
 from .scan import Scanner, shard_name
-from .update import apply_step, compute_loss
+from .update import compute_loss
+
+BACKEND_STATE, CRITIC = "backend", "critic"
+"""Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
 
 
 def main(ctx: StageContext) -> int:
@@ -42,19 +47,13 @@ class Learner:
         self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
         self.model.train()
         self.pad_id = tok.pad_token_id
-        lc = cfg.learner
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=(lc.beta1, lc.beta2),
-                                     weight_decay=lc.weight_decay)
-        self.optimizers = {"policy": self.opt}
-        self.critic = None
+        critic = None
         if cfg.algo.critic is not None:
             from ..models.heads import Critic
             from .policy import load_reference
 
             ref, _ = load_reference(store, keys, ctx.cache_dir())
-            self.critic = Critic.from_causal_lm(ref)
-            self.optimizers["critic"] = torch.optim.AdamW(self.critic.parameters(),
-                                                          lr=cfg.algo.critic.lr)
+            critic = Critic.from_causal_lm(ref)
         controller = cfg.algo.kl.controller
         self.kl = get_kl_controller(controller.kind)(**controller.model_dump(exclude={"kind"}))
         state = read_progress(store, keys)
@@ -66,9 +65,23 @@ class Learner:
         self.ledger: dict[int, list[str]] = {int(k): v for k, v in state.get("ledger", {}).items()}
         if "kl" in state:
             self.kl.load_state_dict(state["kl"])
-        if self.version > 0:
+        ckpt = None
+        if self.version > 0:  # weights go in before the backend takes the modules over
             self.model.load_state_dict(fetch_weights(store, keys, self.version), strict=False)
-            ckpt = load_checkpoint(store, keys, self.optimizers)
+            ckpt = load_checkpoint(store, keys, {})
+            if ckpt is not None and critic is not None:
+                data = store.get_bytes(keys.learner_file(ckpt, f"{CRITIC}.safetensors"))
+                critic.load_state_dict(st_load(data))
+        self.backend = build_backend(cfg.learner, self.model, critic=critic,
+                                     critic_lr=cfg.algo.critic.lr if critic is not None else None)
+        if self.backend.world_size > 1:
+            raise NotImplementedError(
+                "the learner loop runs on one rank: set `learner.backend` to one process "
+                "(no torchrun) until rank 0 shares its batches with the other ranks")
+        if self.version > 0:
+            if ckpt is not None:
+                data = store.get_bytes(keys.learner_file(ckpt, f"{BACKEND_STATE}.safetensors"))
+                self.backend.load_state_dict(st_load(data))
             ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
             point_latest(store, keys, self.version, {"step": self.version})
         self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
@@ -134,12 +147,10 @@ class Learner:
             scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
                                 total_steps=lc.total_steps, kind=lc.schedule,
                                 min_ratio=lc.min_lr_ratio)
-            for group in self.opt.param_groups:
-                group["lr"] = lc.lr * scale
-            loss, m, _ = compute_loss(cfg, self.model, kept, self.pad_id, self.kl.beta, self.critic)
-            params = list(self.model.parameters()) + (
-                list(self.critic.parameters()) if self.critic is not None else [])
-            applied, grad_norm = apply_step(loss, params, self.optimizers.values(), lc.grad_clip)
+            self.backend.set_lr("policy", lc.lr * scale)
+            loss, m, _ = compute_loss(cfg, self.backend.policy, kept, self.pad_id, self.kl.beta,
+                                      self.backend.critic)
+            applied, grad_norm = self.backend.step(loss)
             metrics = {k: float(v) for k, v in m.items()}
             metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
             if applied and "kl_sum" in metrics:
@@ -168,7 +179,8 @@ class Learner:
         store, keys = self.ctx.store, self.ctx.keys
         if stepped:
             self.version += 1
-            publish_weights(store, keys, self.version, self.model, point=False)
+            with self.backend.gathered():
+                publish_weights(store, keys, self.version, self.model, point=False)
         delta = []
         for key, table, outcome in self.buffer:
             sk = parse_shard_key(key)
@@ -188,9 +200,11 @@ class Learner:
         store.put_json(keys.state("learn", f"ledger-{self.commits:06d}.json"),
                        {"version": self.version, "shards": delta})
         if stepped and self.version % self.cfg.learner.ckpt_every == 0:
-            extra = {"critic": state_dict_bytes(self.critic)} if self.critic is not None else {}
-            save_checkpoint(store, keys, self.version, self.optimizers, extra,
-                            self.cfg.learner.keep_checkpoints)
+            files = {BACKEND_STATE: st_save(self.backend.state_dict())}
+            if self.backend.critic is not None:
+                with self.backend.gathered():
+                    files[CRITIC] = state_dict_bytes(self.backend.critic.critic)
+            save_checkpoint(store, keys, self.version, {}, files, self.cfg.learner.keep_checkpoints)
         store.put_json(progress_key(keys), {
             "version": self.version, "commits": self.commits, "counts": dict(self.counts),
             "processed_by_worker": {str(k): v for k, v in self.by_worker.items()},

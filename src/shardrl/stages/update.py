@@ -10,6 +10,7 @@ import pyarrow as pa
 import torch
 
 from ..algo import (
+    LOG_RATIO_CLAMP,
     aggregate,
     get_advantage_estimator,
     kl_penalty,
@@ -20,7 +21,7 @@ from ..algo import (
     value_loss,
 )
 from ..config import RunConfig
-from ..models.heads import token_logprobs
+from ..learner_backends.base import PolicyLogprobs
 from .batch import SeqBatch, build_batch, padded_column
 
 
@@ -42,18 +43,53 @@ def group_index(table: pa.Table) -> torch.Tensor:
     return torch.from_numpy(np.unique(ids, return_inverse=True)[1].astype(np.int64))  # (B,)
 
 
-def compute_loss(cfg: RunConfig, model, table: pa.Table, pad_id: int, beta: float,
-                 critic=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], SeqBatch]:
-    """Total loss (scalar) and detached metrics for the kept rows in `table`."""
+def logprob_mismatch(behaviour: torch.Tensor, learner_old: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the generator's logprobs are from the learner's on the same tokens.
+
+    behaviour, learner_old, mask: (B, T). Returns detached 0-dim tensors, means over response
+    tokens: `logprob_mismatch_abs` = |behaviour - learner_old| and `mismatch_k3` = the k3
+    estimate of KL(behaviour || learner_old) from the behaviour samples, r - 1 - log r with
+    r = pi_learner_old / pi_behaviour. Both include policy lag when the sample is stale.
+    """
+    with torch.no_grad():
+        log_ratio = (learner_old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+        k3 = log_ratio.exp() - 1.0 - log_ratio  # (B, T), >= 0
+        return {"logprob_mismatch_abs": masked_mean(log_ratio.abs(), mask),
+                "mismatch_k3": masked_mean(k3, mask)}
+
+
+def truncated_is_weight(learner_old: torch.Tensor, behaviour: torch.Tensor,
+                        cap: float) -> torch.Tensor:
+    """Token weights min(pi_learner_old / pi_behaviour, cap), detached. All (B, T)."""
+    with torch.no_grad():
+        log_ratio = (learner_old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return log_ratio.exp().clamp(max=cap)  # (B, T)
+
+
+def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,
+                 beta: float, critic=None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SeqBatch]:
+    """Total loss (scalar) and detached metrics for the kept rows in `table`.
+
+    `policy` gives the response-token logprobs (`PolicyModule` of the learner backend).
+    The learner makes one optimizer step per batch, so this forward runs at the pre-update
+    weights: its detached logprobs are the learner-old logprobs, compared with the behaviour
+    logprobs in the mismatch metrics. With `algo.is_correction.enabled` the surrogate's ratio
+    is taken against the learner-old logprobs (decoupled proximal policy) and every token's
+    loss is weighted by `truncated_is_weight(learner_old, behaviour, cap)`.
+    """
     algo = cfg.algo
     batch = build_batch(table, pad_id)
     mask = batch.response_mask  # (B, T)
     groups = group_index(table)  # (B,)
-    out = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_start,
-                         temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head)
+    out = policy(batch.input_ids, batch.attention_mask, batch.response_start,
+                 temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head)
     logprobs = out.logprobs  # (B, T)
     old = batch.pad_response(padded_column(table, "behavior_logprobs"))  # (B, T)
-    metrics: dict[str, torch.Tensor] = {}
+    learner_old = logprobs.detach()  # (B, T)
+    metrics: dict[str, torch.Tensor] = logprob_mismatch(old, learner_old, mask)
+    correction = algo.is_correction
     values = None
     if algo.advantages.estimator == "gae":
         values = critic.response_values(batch.input_ids, batch.attention_mask,
@@ -72,8 +108,11 @@ def compute_loss(cfg: RunConfig, model, table: pa.Table, pad_id: int, beta: floa
             adv = masked_whiten(adv, mask)
     else:
         adv = torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32))  # (B,)
-    per_token, pl_metrics = policy_loss(algo.loss.kind, logprobs, old, adv, mask,
+    ratio_base = learner_old if correction.enabled else old
+    per_token, pl_metrics = policy_loss(algo.loss.kind, logprobs, ratio_base, adv, mask,
                                         **loss_params(cfg))
+    if correction.enabled:
+        per_token = per_token * truncated_is_weight(learner_old, old, correction.cap)
     loss = aggregate(per_token, mask, algo.aggregation, groups)
     metrics.update({k: v.detach() for k, v in pl_metrics.items()})
     metrics["policy_loss"] = loss.detach()

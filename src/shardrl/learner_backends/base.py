@@ -1,0 +1,153 @@
+"""The learner-backend interface: forward modules, one optimizer step, checkpoint state.
+
+A backend owns the trainable modules (the policy, and the critic when GAE is on) and their
+AdamW optimizer. The learner computes its loss through `backend.policy` and
+`backend.critic`, hands the scalar to `backend.step`, and checkpoints `backend.state_dict()`
+(plain tensors, saved as safetensors: no pickle). Both backends write the same state: the
+full, unpartitioned AdamW moments of every named parameter, so a checkpoint written by one
+backend, or by any number of DeepSpeed ranks, resumes under the other.
+
+Model weights are not part of that state: the learner publishes them as policy versions and
+loads them into the modules *before* building the backend.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..config.stages import LearnerConfig
+from ..models.heads import Critic, TokenLogprobs, token_logprobs
+
+POLICY, CRITIC = "policy", "critic"
+"""Names of the trainable parts, in the order of the optimizer's parameter groups."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW state slots saved per parameter."""
+STEP_KEY = "step"
+"""State key of the optimizer's step count (a float32 scalar)."""
+
+Json = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
+
+
+class PolicyLogprobs(Protocol):
+    """What the loss needs from the policy: response-token logprobs (see `token_logprobs`)."""
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
+                 temperature: float, fp32_lm_head: bool) -> TokenLogprobs: ...
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class PolicyModule(nn.Module):
+    """A causal LM whose forward is `token_logprobs`.
+
+    The output head is used inside this module's forward, so DeepSpeed ZeRO-3 (which gathers
+    a partitioned parameter only within the forward of a module that owns it, or registers it)
+    has the head weight when the FP32 head reads it directly. Inputs move to the model's
+    device and outputs come back to the inputs' device, so the loss arithmetic stays where
+    the batch lives.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
+                temperature: float = 1.0, fp32_lm_head: bool = True) -> TokenLogprobs:
+        """input_ids, attention_mask: (B, L); response_start: (B,). Outputs (B, T)."""
+        home, device = input_ids.device, _device_of(self.lm)
+        out = token_logprobs(self.lm, input_ids.to(device), attention_mask.to(device),
+                             response_start.to(device), temperature=temperature,
+                             fp32_lm_head=fp32_lm_head)
+        return TokenLogprobs(out.logprobs.to(home), out.entropy.to(home), None)
+
+
+class CriticModule(nn.Module):
+    """A `Critic` whose `response_values` takes and returns tensors on the batch's device."""
+
+    def __init__(self, critic: Critic) -> None:
+        super().__init__()
+        self.critic = critic
+
+    def response_values(self, input_ids: Tensor, attention_mask: Tensor,
+                        response_start: Tensor) -> Tensor:
+        """(B, T) values, same alignment as `Critic.response_values`."""
+        home, device = input_ids.device, _device_of(self.critic)
+        values = self.critic.response_values(input_ids.to(device), attention_mask.to(device),
+                                             response_start.to(device))
+        return values.to(home)
+
+    forward = response_values
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW settings shared by both backends; the critic differs only in its learning rate."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    grad_clip: float | None
+    critic_lr: float | None = None
+
+    @classmethod
+    def from_config(cls, learner: LearnerConfig, critic_lr: float | None = None) -> OptimSettings:
+        return cls(lr=learner.lr, betas=(learner.beta1, learner.beta2),
+                   weight_decay=learner.weight_decay, grad_clip=learner.grad_clip,
+                   critic_lr=critic_lr)
+
+    def param_groups(self, parts: dict[str, nn.Module]) -> list[dict]:
+        """One AdamW parameter group per part, in `parts` order (policy first)."""
+        lrs = {POLICY: self.lr, CRITIC: self.critic_lr}
+        return [{"params": [p for p in module.parameters() if p.requires_grad],
+                 "lr": lrs[name], "name": name} for name, module in parts.items()]
+
+
+def moment_key(part: str, param_name: str, slot: str) -> str:
+    """State key of one AdamW moment, e.g. `policy/model.norm.weight/exp_avg`."""
+    return f"{part}/{param_name}/{slot}"
+
+
+def trainable_parts(policy: nn.Module, critic: nn.Module | None) -> dict[str, nn.Module]:
+    """{"policy": ..., "critic": ...} without the critic when there is none."""
+    return {POLICY: policy} | ({CRITIC: critic} if critic is not None else {})
+
+
+class Backend(Protocol):
+    """A learner backend (torch or DeepSpeed)."""
+
+    policy: PolicyModule
+    critic: CriticModule | None
+    rank: int
+    world_size: int
+
+    def set_lr(self, part: str, lr: float) -> None:
+        """Learning rate of one part's parameter group (the schedule calls this every step)."""
+        ...
+
+    def step(self, loss: Tensor) -> tuple[bool, float]:
+        """Backward, clip, AdamW step. (False, norm) and no update when the loss or the
+        gradient norm is not finite; the same decision on every rank."""
+        ...
+
+    def gathered(self) -> AbstractContextManager[None]:
+        """Within it the modules hold their full weights (ZeRO-3 gathers them); for publishing."""
+        ...
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Full AdamW state as CPU tensors (a collective call under DeepSpeed)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Inverse of `state_dict` (a collective call under DeepSpeed)."""
+        ...
+
+    def broadcast_json(self, value: Json) -> Json:
+        """Rank 0's `value` on every rank (which shards make the batch, for instance)."""
+        ...

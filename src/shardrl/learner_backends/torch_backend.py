@@ -1,0 +1,81 @@
+"""The plain PyTorch learner backend: one process, one AdamW over the policy (and critic)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from ..models.heads import Critic
+from ..stages.update import apply_step
+from .base import (
+    MOMENTS,
+    STEP_KEY,
+    CriticModule,
+    Json,
+    OptimSettings,
+    PolicyModule,
+    moment_key,
+    trainable_parts,
+)
+
+
+class TorchLearnerBackend:
+    """`Backend` on a single process. Gradient clipping is global over every trainable part."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, lm: nn.Module, settings: OptimSettings, critic: Critic | None = None):
+        self.policy = PolicyModule(lm)
+        self.critic = CriticModule(critic) if critic is not None else None
+        self.parts = trainable_parts(self.policy.lm, critic)
+        self.grad_clip = settings.grad_clip
+        self.opt = torch.optim.AdamW(settings.param_groups(self.parts), lr=settings.lr,
+                                     betas=settings.betas, weight_decay=settings.weight_decay)
+        self.params = [p for group in self.opt.param_groups for p in group["params"]]
+
+    def set_lr(self, part: str, lr: float) -> None:
+        for group in self.opt.param_groups:
+            if group["name"] == part:
+                group["lr"] = lr
+
+    def step(self, loss: Tensor) -> tuple[bool, float]:
+        return apply_step(loss, self.params, [self.opt], self.grad_clip)
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        state: dict[str, Tensor] = {}
+        step = 0.0
+        for part, module in self.parts.items():
+            for name, param in module.named_parameters():
+                slots = self.opt.state.get(param)
+                if not slots:
+                    continue
+                step = float(slots["step"])
+                for slot in MOMENTS:
+                    state[moment_key(part, name, slot)] = slots[slot].detach().cpu().clone()
+        state[STEP_KEY] = torch.tensor(step, dtype=torch.float32)
+        return state
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        step = state[STEP_KEY].to(torch.float32)
+        missing = []
+        for part, module in self.parts.items():
+            for name, param in module.named_parameters():
+                keys = [moment_key(part, name, slot) for slot in MOMENTS]
+                missing += [k for k in keys if k not in state]
+                if all(k in state for k in keys):
+                    self.opt.state[param] = {
+                        "step": step.clone(),
+                        **{slot: state[k].to(param.device, param.dtype).clone()
+                           for slot, k in zip(MOMENTS, keys, strict=True)},
+                    }
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} entries, e.g. {missing[:3]}")
+
+    def broadcast_json(self, value: Json) -> Json:
+        return value
