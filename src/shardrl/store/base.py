@@ -150,7 +150,9 @@ class Retrier:
 
     `is_transient(exc)` decides which exceptions are retried; others propagate at once.
     One Retrier is shared by all operations of a store, so concurrent calls report one
-    outage, not one per call.
+    outage, not one per call. Failures within `settle_s` of a recovery (a server that
+    answers errors for a while as it comes back) continue the outage already logged and
+    add no lines.
     """
 
     def __init__(
@@ -162,8 +164,10 @@ class Retrier:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        settle_s: float = 30.0,
     ) -> None:
         self.policy = policy
+        self.settle_s = settle_s
         self.target = target
         self._is_transient = is_transient
         self._clock = clock
@@ -171,6 +175,8 @@ class Retrier:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._outage_since: float | None = None
+        self._recovered_at: float | None = None
+        self._quiet = False  # the current outage is a flap of the one logged before
 
     def call(self, what: str, op: Callable[[], T]) -> T:
         """Return `op()`, retrying transient failures; `what` names the operation in errors."""
@@ -203,7 +209,11 @@ class Retrier:
         with self._lock:
             if self._outage_since is not None:
                 return
-            self._outage_since = self._clock()
+            self._outage_since = now = self._clock()
+            self._quiet = (self._recovered_at is not None
+                           and now - self._recovered_at < self.settle_s)
+            if self._quiet:
+                return
         log.warning(
             "object store %s unavailable (%s: %s); retrying for up to %.0f s",
             self.target, type(error).__name__, error, self.policy.deadline_s,
@@ -213,6 +223,9 @@ class Retrier:
         with self._lock:
             if self._outage_since is None:
                 return
-            duration = self._clock() - self._outage_since
+            self._recovered_at = self._clock()
+            duration = self._recovered_at - self._outage_since
             self._outage_since = None
+            if self._quiet:
+                return
         log.warning("object store %s available again after %.1f s", self.target, duration)
