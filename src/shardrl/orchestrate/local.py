@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import subprocess
@@ -13,8 +15,35 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError, RunConfig, load_config
-from ..store import RunKeys, Store, open_store
+from ..stages import EXIT_STORE_UNAVAILABLE
+from ..stages.context import retry_policy
+from ..store import RunKeys, Store, StoreUnavailable, open_store
 from .graph import LOOPING, STAGES, entrypoint, stage
+
+RESTART_BACKOFF_S = (1.0, 30.0)
+"""First and largest delay before restarting a crashed stage; doubles per restart."""
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds to wait before restart number `restarts + 1` of one stage: 1, 2, 4, ... 30."""
+    first, cap = RESTART_BACKOFF_S
+    return min(cap, first * 2.0 ** restarts)
+
+
+def _die_with_parent():
+    """A `preexec_fn` that has the kernel kill the child when the runner dies (Linux), so a
+    SIGKILLed runner leaves no stage behind to race the stages of `--resume`."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the runner died before the call above
+            os._exit(1)
+
+    return hook
 
 
 @dataclass
@@ -25,6 +54,8 @@ class Proc:
     log: Path
     restarts: int = 0
     exit_code: int | None = None
+    restart_at: float | None = None
+    """monotonic time of a scheduled restart (the backoff), None when none is due."""
 
 
 @dataclass
@@ -53,7 +84,7 @@ class LocalRun:
                    OMP_NUM_THREADS=str(stage(name).threads(self.cfg)))
         handle = open(log, "a")  # noqa: SIM115 - owned by the child for its lifetime
         popen = subprocess.Popen(self.command(name, worker), stdout=handle, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
+                                 env=env, start_new_session=True, preexec_fn=_die_with_parent())
         return Proc(name, worker, popen, log)
 
     def run_once(self, name: str) -> int:
@@ -81,13 +112,14 @@ def prepare_run(args) -> LocalRun:
         if not store.exists(keys.run_json()):
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
         cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
+        store = open_store(store_uri, retry_policy(cfg))
     else:
         if not args.config:
             raise SystemExit("shardrl run: give a CONFIG (file or preset) or --resume RUN_ID")
         cfg = load_config(args.config, args.overrides)
         store_uri = args.store or cfg.store.uri
         run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        store = open_store(store_uri)
+        store = open_store(store_uri, retry_policy(cfg))
     log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
     if store_uri.startswith("file://"):
         log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
@@ -103,6 +135,9 @@ def run(args) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    except StoreUnavailable as exc:
+        print(f"shardrl run: {exc}", file=sys.stderr)
+        return EXIT_STORE_UNAVAILABLE
     from .monitor import Monitor
 
     monitor = Monitor(lr, progress_bar=not args.no_progress)
@@ -117,9 +152,11 @@ def run(args) -> int:
     try:
         if not lr.store.exists(lr.keys.run_json()):
             monitor.say("snapshot: building the initial policy (SFT to its plateau)")
-            if lr.run_once("snapshot") != 0:
-                print(f"snapshot failed: see {lr.log_dir / 'snapshot.log'}", file=sys.stderr)
-                return 1
+            code = lr.run_once("snapshot")
+            if code != 0:
+                print(f"snapshot failed (exit {code}): see {lr.log_dir / 'snapshot.log'}",
+                      file=sys.stderr)
+                return code if code == EXIT_STORE_UNAVAILABLE else 1
         for spec in STAGES:
             if spec.name in LOOPING:
                 for w in range(spec.replicas(lr.cfg)):
@@ -128,22 +165,46 @@ def run(args) -> int:
         if code != 0:
             return code
         monitor.finish_metrics()
-        if lr.run_once("promote") != 0:
-            print(f"promote failed: see {lr.log_dir / 'promote.log'}", file=sys.stderr)
-            return 1
+        code = lr.run_once("promote")
+        if code != 0:
+            print(f"promote failed (exit {code}): see {lr.log_dir / 'promote.log'}",
+                  file=sys.stderr)
+            return code if code == EXIT_STORE_UNAVAILABLE else 1
         return monitor.summary()
+    except StoreUnavailable as exc:
+        return store_down(lr, monitor, exc)
     finally:
         lr.stop_all()
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
 
 
+def resume_hint(lr: LocalRun) -> str:
+    return f"`shardrl run --resume {lr.run_id} --store {lr.store_uri}`"
+
+
+def store_down(lr: LocalRun, monitor, exc: BaseException) -> int:
+    """Stop every stage and fail the run: the store stayed down past the retry deadline."""
+    lr.stop_all()
+    monitor.say(f"object store {lr.store_uri} unreachable for longer than "
+                f"store.retry.deadline_s = {lr.cfg.store.retry.deadline_s:g} s ({exc}). "
+                f"Stopping the run; its state is kept in the store: once the store is back, "
+                f"continue with {resume_hint(lr)}")
+    return EXIT_STORE_UNAVAILABLE
+
+
 def supervise(lr: LocalRun, monitor, interrupted) -> int:
-    """Restart crashed looping stages (bounded), until every one has exited cleanly."""
+    """Restart crashed looping stages with backoff (bounded), until every one exited cleanly.
+
+    A stage that exits with EXIT_STORE_UNAVAILABLE gave up waiting for the store: the runner
+    checks the store itself (waiting up to the same deadline) and fails the run if it is
+    still down, rather than spending the stage's restarts on an outage.
+    """
+    limit = lr.cfg.pipeline.max_restarts
     while True:
         if interrupted():
             monitor.say("interrupted: stopping all stages (state is kept; resume with "
-                        f"`shardrl run --resume {lr.run_id}`)")
+                        f"{resume_hint(lr)})")
             lr.stop_all()
             return 130
         running = 0
@@ -155,18 +216,25 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
             if code == 0 or p.exit_code == 0:
                 p.exit_code = 0
                 continue
-            if p.restarts >= lr.cfg.pipeline.max_restarts:
-                monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code}); "
-                            f"see {p.log}. Stopping the run.")
-                lr.stop_all()
-                return 1
-            monitor.say(f"{p.name} exited with {code}; restarting ({p.restarts + 1}/"
-                        f"{lr.cfg.pipeline.max_restarts})")
-            fresh = lr.start(p.name, p.worker)
-            fresh.restarts = p.restarts + 1
-            lr.procs[i] = fresh
             running += 1
+            if p.restart_at is None:
+                if code == EXIT_STORE_UNAVAILABLE:
+                    lr.store.exists(lr.keys.run_json())  # raises StoreUnavailable if still down
+                if p.restarts >= limit:
+                    monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code}); "
+                                f"see {p.log}. Stopping the run (resume with "
+                                f"{resume_hint(lr)}).")
+                    lr.stop_all()
+                    return 1
+                delay = restart_delay(p.restarts)
+                monitor.say(f"{p.name} exited with {code}; restarting in {delay:g} s "
+                            f"({p.restarts + 1}/{limit})")
+                p.restart_at = time.monotonic() + delay
+            elif time.monotonic() >= p.restart_at:
+                fresh = lr.start(p.name, p.worker)
+                fresh.restarts = p.restarts + 1
+                lr.procs[i] = fresh
         monitor.tick()
         if running == 0:
             return 0
-        time.sleep(1.0)
+        time.sleep(0.5)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 import os
 
+EXIT_STORE_UNAVAILABLE = 75
+"""Exit status of a stage that waited `store.retry.deadline_s` for the object store in vain."""
+
 
 def run(args) -> int:
     threads = os.environ.get("SHARDRL_THREADS")
@@ -18,8 +21,14 @@ def run(args) -> int:
     torch.set_num_threads(int(threads) if threads else stage(args.name).threads(ctx.cfg))
     torch.manual_seed(ctx.cfg.seed + 1000 * args.worker)
     module = importlib.import_module(f"shardrl.stages.{args.name}")
+    from ..store import StoreUnavailable
+
     try:
-        return int(module.main(ctx) or 0)
-    finally:
-        if ctx.metrics is not None:
-            ctx.metrics.flush()
+        try:
+            return int(module.main(ctx) or 0)
+        finally:
+            if ctx.metrics is not None:
+                ctx.metrics.flush()
+    except StoreUnavailable as exc:
+        ctx.log.error("giving up: %s", exc)
+        return EXIT_STORE_UNAVAILABLE

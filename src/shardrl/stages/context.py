@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -30,8 +31,13 @@ def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def retry_policy(cfg: RunConfig) -> RetryPolicy:
+    """The store's retry policy: `store.retry.max_attempts` at least, and as many more as
+    it takes to keep retrying until `deadline_s` (each delay is at least half its cap, so
+    the doubling ramp plus `2 * deadline / max_delay` attempts span the deadline)."""
     r = cfg.store.retry
-    return RetryPolicy(max_attempts=r.max_attempts, base_delay_s=r.base_delay_s,
+    ramp = max(0, math.ceil(math.log2(r.max_delay_s / r.base_delay_s))) + 1
+    span = ramp + math.ceil(2 * r.deadline_s / r.max_delay_s) + 1
+    return RetryPolicy(max_attempts=max(r.max_attempts, span), base_delay_s=r.base_delay_s,
                        max_delay_s=r.max_delay_s, deadline_s=r.deadline_s)
 
 
