@@ -1,0 +1,238 @@
+"""Crash anywhere: SIGKILL looping stages at seeded random moments of a tiny run.
+
+One run is disturbed by a schedule of kills that covers every looping stage (the learner
+twice: once at a random moment, once the instant its ledger delta appears, before its
+progress commit); the runner restarts each stage. The run must complete with exact
+accounting, no shard consumed twice, continuous policy versions, and a final evaluation
+within sampling noise of an undisturbed run with the same seed.
+
+The helpers here drive the local runner for the other fault tests too (outage, resume).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from shardrl.store import RunKeys, Store, open_store
+
+from .conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+SETTINGS = (f"learner.total_steps={STEPS}", "eval.every=4", "eval.samples_per_prompt=4",
+            "pipeline.max_restarts=5")
+LOOPING = ("rollout", "score", "prepare", "learn", "evaluate")
+
+
+# -- driving the runner ---------------------------------------------------------------------
+def write_config(tmp_path: Path, extra: str = "tracking: {enabled: false}\n") -> Path:
+    """The tiny config (plus `extra` YAML) as a file."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY + extra)
+    return path
+
+
+def start_runner(tmp_path: Path, args: list[str], name: str,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """`shardrl ARGS...` in the background, its output in a file; (process, output file)."""
+    out = tmp_path / f"{name}.out"
+    full = dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+                **(env or {}))
+    with open(out, "ab") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "shardrl.cli", *args], cwd=tmp_path,
+                                env=full, stdout=handle, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def run_args(config: Path, store: str, run_id: str, *settings: str) -> list[str]:
+    """Arguments of `shardrl run` for the fault runs."""
+    return ["run", str(config), "--store", store, "--run-id", run_id, "--no-progress",
+            *(x for s in (*SETTINGS, *settings) for x in ("--set", s))]
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> str:
+    """Wait for the runner; its whole output."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("run did not finish in time:\n" + out.read_text()[-4000:]) from None
+    return out.read_text()
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stage_pids(name: str, run_id: str) -> list[int]:
+    """Processes running `shardrl stage NAME ... --run-id RUN_ID`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"stage" in cmd and name.encode() in cmd and run_id.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def progress(store: Store, run_id: str) -> dict:
+    key = RunKeys(run_id).state("learn", "progress.json")
+    return store.get_json(key) if store.exists(key) else {}
+
+
+def version(store: Store, run_id: str) -> int:
+    return int(progress(store, run_id).get("version", 0))
+
+
+def kill_stage(name: str, run_id: str, timeout: float = 120) -> int:
+    """SIGKILL the stage (waiting for it to be up, e.g. after a restart); its pid."""
+    pid = wait_for(lambda: stage_pids(name, run_id), timeout, f"stage {name} to run")[0]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def kill_learner_at_commit(store: Store, run_id: str, timeout: float = 120) -> bool:
+    """SIGKILL the learner the instant its next ledger delta appears, i.e. inside its commit
+    (after the ledger, before progress.json); whether progress still lagged when it died."""
+    pid = wait_for(lambda: stage_pids("learn", run_id), timeout, "the learner to run")[0]
+    keys = RunKeys(run_id)
+    nxt = keys.state("learn", f"ledger-{int(progress(store, run_id).get('commits', 0)) + 1:06d}.json")
+    wait_for(lambda: store.exists(nxt), timeout, f"{nxt}", poll=0.001)
+    os.kill(pid, signal.SIGKILL)
+    return int(progress(store, run_id).get("commits", 0)) < int(nxt[-11:-5])
+
+
+# -- checking a finished run ----------------------------------------------------------------
+def ledger(store: Store, run_id: str) -> list[dict]:
+    keys = RunKeys(run_id)
+    return [store.get_json(k) for k in store.list(keys.root + "state/learn/ledger-")]
+
+
+def check_completed(store: Store, run_id: str, steps: int) -> dict:
+    """Assert what every disturbed run must end with; the runner's summary."""
+    keys = RunKeys(run_id)
+    summary = store.get_json(keys.state("runner", "summary.json"))
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["duplicate_shards"] == [], acc
+    assert acc["generated"] == (acc["consumed"] + acc["stale_dropped"] + acc["filtered"]
+                                + acc["quarantined"] + acc["unconsumed"]), acc
+    assert acc["unreadable_quarantined_shards"] == 0 and acc["consumed"] > 0
+    assert summary["done"]["steps"] == steps
+    deltas = ledger(store, run_id)
+    shard_keys = [e["key"] for d in deltas for e in d["shards"]]
+    assert len(shard_keys) == len(set(shard_keys)), "a shard was consumed twice"
+    versions = [d["version"] for d in deltas]
+    assert versions == sorted(versions) and versions[-1] == steps
+    assert sorted(set(versions)) == list(range(versions[0], steps + 1)), "a version was skipped"
+    # every commit number is there once: ledger-000001 ... ledger-N
+    names = [k.rsplit("-", 1)[1] for k in store.list(keys.root + "state/learn/ledger-")]
+    assert names == [f"{i:06d}.json" for i in range(1, len(names) + 1)]
+    assert store.exists(keys.policy_file(steps, "MANIFEST.json"))
+    assert store.get_json(keys.latest_policy())["version"] == steps
+    return summary
+
+
+def eval_samples(store: Store, run_id: str, version: int) -> dict[str, list[float]]:
+    table = pq.read_table(io.BytesIO(store.get_bytes(RunKeys(run_id).eval_table(version))))
+    return {"reward": table.column("reward").to_pylist(),
+            "length": [float(n) for n in table.column("response_length").to_pylist()]}
+
+
+def within_noise(a: list[float], b: list[float], z: float = 4.0) -> bool:
+    """|mean(a) - mean(b)| <= z standard errors of the difference of two sample means
+    (the bound is 0 when neither sample varies: the means must then be equal)."""
+    def mean_var(x):
+        m = sum(x) / len(x)
+        return m, sum((v - m) ** 2 for v in x) / max(len(x) - 1, 1)
+
+    (ma, va), (mb, vb) = mean_var(a), mean_var(b)
+    return abs(ma - mb) <= z * math.sqrt(va / len(a) + vb / len(b)) + 1e-9
+
+
+def test_within_noise_bound_by_hand():
+    # means 1.0 and 2.0; variances 1 and 1 over 4 samples each: SE = sqrt(1/4 + 1/4) = 0.707
+    a, b = [0.0, 1.0, 1.0, 2.0], [1.0, 2.0, 2.0, 3.0]  # var = (1 + 0 + 0 + 1) / 3 = 2/3
+    # SE = sqrt(2/3/4 * 2) = 0.577; 1.0 <= 2 * 0.577 but not <= 1 * 0.577
+    assert within_noise(a, b, z=2.0) and not within_noise(a, b, z=1.0)
+    assert within_noise([0.0] * 8, [0.0] * 8) and not within_noise([0.0] * 8, [1.0] * 8)
+
+
+# -- the runs -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> tuple[Store, str, float]:
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    store_path = str(tmp / "store")
+    started = time.monotonic()
+    proc, out = start_runner(tmp, run_args(write_config(tmp), store_path, "calm"), "calm")
+    text = finish(proc, out)
+    wall = time.monotonic() - started
+    assert proc.returncode == 0, text[-4000:]
+    return open_store(store_path), "calm", wall
+
+
+def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
+    store_path = str(tmp_path / "store")
+    store = open_store(store_path)
+    run_id = "crashy"
+    rng = random.Random(7)
+    schedule = [*LOOPING, "learn@commit"]
+    rng.shuffle(schedule)
+    thresholds = sorted(rng.sample(range(1, STEPS - 2), len(schedule)))
+    started = time.monotonic()
+    proc, out = start_runner(tmp_path, run_args(write_config(tmp_path), store_path, run_id), run_id)
+    killed, inside_commit = [], None
+    for target, at in zip(schedule, thresholds, strict=True):
+        wait_for(lambda at=at: version(store, run_id) >= at, 300, f"learner version {at}")
+        if target == "learn@commit":
+            inside_commit = kill_learner_at_commit(store, run_id)
+            killed.append("learn")
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))  # a random moment of its work
+            kill_stage(target, run_id)
+            killed.append(target)
+    text = finish(proc, out)
+    wall = time.monotonic() - started
+    assert proc.returncode == 0, text[-4000:]
+    for name in set(killed):
+        assert text.count(f"{name} exited with -9; restarting") == killed.count(name), text
+    summary = check_completed(store, run_id, STEPS)
+    calm_store, calm_id, calm_wall = undisturbed
+    calm = check_completed(calm_store, calm_id, STEPS)
+    # the final policy evaluates like the undisturbed one, within sampling noise
+    for metric in ("reward", "length"):
+        ours = eval_samples(store, run_id, STEPS)[metric]
+        theirs = eval_samples(calm_store, calm_id, STEPS)[metric]
+        assert within_noise(ours, theirs), (metric, ours, theirs)
+    acc = summary["accounting"]
+    print(json.dumps({"faults": len(killed), "killed": killed, "inside_commit": inside_commit,
+                      "generated": acc["generated"], "lost": acc["generated"] - sum(
+                          acc[k] for k in ("consumed", "stale_dropped", "filtered", "quarantined",
+                                           "unconsumed")),
+                      "duplicated": len(acc["duplicate_shards"]), "wall_s": round(wall, 1),
+                      "undisturbed_wall_s": round(calm_wall, 1),
+                      "undisturbed_generated": calm["accounting"]["generated"]}))

@@ -1,0 +1,289 @@
+"""Bad input: each kind gives a clear error or is quarantined with its reason; nothing else is lost.
+
+The stages are driven in-process (`--once` rounds) on small synthetic shards cut from one real
+rollout shard of the tiny model, so no whole run is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from e2e.conftest import TINY, run_cli
+from shardrl.config import RunConfig, load_config
+from shardrl.models.heads import RewardModelError
+from shardrl.models.io import TokenizerMismatch, save_model
+from shardrl.models.tiny import build_tiny_model, train_tokenizer
+from shardrl.orchestrate.accounting import account
+from shardrl.stages.context import MetricsSink, StageContext
+from shardrl.stages.engine import PolicyEngine
+from shardrl.stages.rollout import MAX_EMPTY_SHARDS, _fitting
+from shardrl.store import LocalStore, RunKeys, read_shard, write_shard
+from shardrl.store.schemas import READY, ROLLOUT, SCORED
+from shardrl.tasks.builtin import TaskItem
+from shardrl.tasks.datasets import DatasetError
+from shardrl.tasks.source import make_task
+
+CONFIG = TINY + "tracking: {enabled: false}\n"
+
+
+def config(tmp: Path, *overrides: str):
+    path = tmp / "tiny.yaml"
+    path.write_text(CONFIG)
+    return load_config(str(path), list(overrides))
+
+
+def replace(cfg: RunConfig, changes: dict[str, object]) -> RunConfig:
+    """`cfg` with dotted fields changed, validated again."""
+    data = cfg.model_dump(mode="json")
+    for path, value in changes.items():
+        *parents, last = path.split(".")
+        node = data
+        for name in parents:
+            node = node[name]
+        node[last] = value
+    return RunConfig.model_validate(data)
+
+
+def context(store, cfg, run_id: str, stage: str) -> StageContext:
+    ctx = StageContext(stage=stage, cfg=cfg, run_id=run_id, store=store, once=True,
+                       log=logging.getLogger(f"test.{stage}"))
+    ctx.metrics = MetricsSink(store, ctx.keys, stage, 0)
+    return ctx
+
+
+def run_stage(store, cfg, run_id: str, stage: str) -> int:
+    """One `--once` round of a stage, in this process."""
+    ctx = context(store, cfg, run_id, stage)
+    if stage == "learn":
+        from shardrl.stages.learn import Learner
+
+        code = Learner(ctx).run()
+    else:
+        code = importlib.import_module(f"shardrl.stages.{stage}").main(ctx)
+    ctx.metrics.flush()
+    return code
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A store whose run 'base' has a snapshot (no SFT) and one real rollout shard."""
+    root = tmp_path_factory.mktemp("bad-input")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDRL_CACHE", str(root / "cache"))
+        torch.set_num_threads(1)
+        cfg = config(root, "model.sft.enabled=false")
+        store = LocalStore(root / "store")
+        for stage in ("snapshot", "rollout"):
+            torch.manual_seed(0)
+            assert run_stage(store, cfg, "base", stage) == 0
+        yield store, cfg, root
+
+
+@pytest.fixture
+def run(base, request, monkeypatch):
+    """(store, cfg, run_id, template rollout table): a fresh run sharing the base snapshot."""
+    store, cfg, root = base
+    monkeypatch.setenv("SHARDRL_CACHE", str(root / "cache"))
+    run_id = re.sub(r"[^A-Za-z0-9-]", "-", request.node.name)[:60]
+    src, dst = RunKeys("base"), RunKeys(run_id)
+    for key in store.list(src.root):
+        if key.startswith((src.ref_prefix(), src.root + "policy/")) or key == src.run_json():
+            store.put_bytes(dst.root + key[len(src.root):], store.get_bytes(key))
+    template = read_shard(store, src.rollout(0, 0, 0), ROLLOUT)
+    assert len(template) == 8  # 2 prompts x group of 4 (TINY)
+    return store, cfg, run_id, template
+
+
+def with_column(table: pa.Table, name: str, values: list) -> pa.Table:
+    i = table.column_names.index(name)
+    return table.set_column(i, table.schema.field(name), pa.array(values, table.schema.field(name).type))
+
+
+def error_of(store, quarantined_key: str) -> dict:
+    return store.get_json(quarantined_key + ".error.json")
+
+
+def test_corrupt_and_wrong_schema_shards_are_quarantined_with_their_reason(run):
+    store, cfg, run_id, template = run
+    keys = RunKeys(run_id)
+    write_shard(store, keys.rollout(0, 0, 0), template, ROLLOUT)              # good
+    good = store.get_bytes(keys.rollout(0, 0, 0))
+    store.put_bytes(keys.rollout(0, 0, 1), good[: len(good) // 2])           # truncated Parquet
+    sink = io.BytesIO()
+    pq.write_table(template.drop_columns(["behavior_logprobs"]), sink)
+    store.put_bytes(keys.rollout(0, 0, 2), sink.getvalue())                   # a column missing
+    sink = io.BytesIO()
+    wrong = with_column(template, "prompt_id", ["p"] * 8).set_column(
+        template.column_names.index("response_token_ids"), "response_token_ids",
+        pa.array([["a"]] * 8))
+    pq.write_table(wrong, sink)
+    store.put_bytes(keys.rollout(0, 0, 3), sink.getvalue())                   # a mistyped column
+    write_shard(store, keys.rollout(0, 0, 4), template, ROLLOUT)              # good, bad later
+
+    assert run_stage(store, cfg, run_id, "score") == 0
+    assert run_stage(store, cfg, run_id, "prepare") == 0
+    # the ready shard of seq 4 rots before the learner reads it
+    store.put_bytes(keys.shard("ready", 0, 0, 4), b"PAR1 not really")
+    assert run_stage(store, cfg, run_id, "learn") == 0
+
+    q = keys.root + "quarantine/"
+    assert error_of(store, q + "score/rollouts/v000000/w00-000001.parquet")["error_type"] == \
+        "CorruptShard"
+    missing = error_of(store, q + "score/rollouts/v000000/w00-000002.parquet")
+    assert missing["error_type"] == "SchemaError" and "missing ['behavior_logprobs']" in \
+        missing["message"]
+    mistyped = error_of(store, q + "score/rollouts/v000000/w00-000003.parquet")
+    assert "response_token_ids" in mistyped["message"] and mistyped["stage"] == "score"
+    assert error_of(store, q + "learn/ready/v000000/w00-000004.parquet")["stage"] == "learn"
+    # the good shard went all the way: one learner step on its 2 groups
+    assert store.get_json(keys.state("learn", "progress.json"))["version"] == 1
+    # upstream stages do not regenerate what a later stage quarantined
+    assert run_stage(store, cfg, run_id, "prepare") == 0
+    assert run_stage(store, cfg, run_id, "score") == 0
+    assert not store.exists(keys.shard("ready", 0, 0, 4))
+    acc = account(store, keys)
+    # generated: seq 0 (8) + the readable quarantined rollouts seq 2, 3 (8 + 8) + seq 4 (8);
+    # the truncated seq 1 cannot be counted and is reported apart
+    assert (acc.generated, acc.consumed, acc.quarantined, acc.unconsumed) == (32, 8, 24, 0)
+    assert acc.unreadable_quarantined_shards == 1 and acc.balanced
+
+
+def test_non_finite_logprobs_and_empty_responses_cost_only_their_rows(run):
+    store, cfg, run_id, template = run
+    keys = RunKeys(run_id)
+    logprobs = template.column("behavior_logprobs").to_pylist()
+    tokens = template.column("response_token_ids").to_pylist()
+    texts = template.column("response_text").to_pylist()
+    logprobs[0] = [float("nan")] * len(logprobs[0])
+    logprobs[5][0] = float("-inf")
+    for i in (2, 3):  # empty responses
+        tokens[i], logprobs[i], texts[i] = [], [], ""
+    table = with_column(with_column(with_column(template, "behavior_logprobs", logprobs),
+                                    "response_token_ids", tokens), "response_text", texts)
+    write_shard(store, keys.rollout(0, 0, 0), table, ROLLOUT)
+    for stage in ("score", "prepare", "learn"):
+        assert run_stage(store, cfg, run_id, stage) == 0
+    ready = read_shard(store, keys.shard("ready", 0, 0, 0), READY)
+    assert ready.column("filter_reason").to_pylist() == [
+        "non_finite_logprobs", None, None, None, None, "non_finite_logprobs", None, None]
+    assert ready.column("keep").to_pylist() == [False, True, True, True, True, False, True, True]
+    progress = store.get_json(keys.state("learn", "progress.json"))
+    # the step was applied on the 6 good rows (a NaN would have made it skip the whole batch)
+    assert progress["version"] == 1 and progress["counts"] == {"consumed": 6, "filtered": 2}
+    assert account(store, keys).balanced
+
+
+def test_non_finite_rewards_are_filtered_and_keep_statistics_finite(run):
+    store, cfg, run_id, template = run
+    cfg = replace(cfg, {"algo.shaping.normalize": True})
+    keys = RunKeys(run_id)
+    write_shard(store, keys.rollout(0, 0, 0), template, ROLLOUT)
+    assert run_stage(store, cfg, run_id, "score") == 0
+    scored = read_shard(store, keys.shard("scored", 0, 0, 0), SCORED)
+    rewards = scored.column("reward_rm").to_pylist()
+    rewards[1], rewards[6] = float("nan"), float("inf")  # e.g. a reward model that blew up
+    write_shard(store, keys.shard("scored", 0, 0, 0), with_column(scored, "reward_rm", rewards),
+                SCORED)
+    assert run_stage(store, cfg, run_id, "prepare") == 0
+    ready = read_shard(store, keys.shard("ready", 0, 0, 0), READY)
+    reasons = ready.column("filter_reason").to_pylist()
+    assert [i for i, r in enumerate(reasons) if r] == [1, 6]
+    assert {reasons[1], reasons[6]} == {"non_finite_reward"}
+    assert all(map(torch.isfinite, torch.tensor(ready.column("advantage").to_pylist())))
+    # the running reward statistics saw the 6 finite rewards only, and were saved
+    moments = store.get_json(keys.state("prepare", "state.json"))["moments"]
+    assert moments["count"] == 6.0
+
+
+def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
+    store, cfg, run_id, _ = run
+    ctx = context(store, cfg, run_id, "rollout")
+    engine = PolicyEngine(ctx, 0)
+    assert engine.context == 64  # TinyModel.max_position_embeddings
+    items = make_task(cfg).train_items(0, 0, 2)
+    long = TaskItem("long", "1+" * 40 + "=", "41", "default")
+    assert _fitting(ctx, engine, [items[0], long, items[1]], seq=7) == items
+    record = store.get_json(ctx.keys.quarantine("rollout", ctx.keys.root + "prompts/w00-000007.json"))
+    # one token per character plus <s>: 81 + 1 = 82 prompt tokens; 82 + 5 new tokens > 64
+    assert record["reason"] == "prompt_too_long"
+    assert record["prompts"] == [{"prompt_id": "long", "prompt_tokens": 82}]
+
+
+def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):
+    store, cfg, run_id, _ = run
+    cfg = replace(cfg, {"rollout.max_new_tokens": 60})
+    with pytest.raises(RuntimeError, match="longer than the context"):
+        run_stage(store, cfg, run_id, "rollout")
+    keys = RunKeys(run_id)
+    assert store.list(keys.kind_prefix("rollouts")) == []
+    assert len(store.list(keys.root + "quarantine/rollout/prompts/")) == MAX_EMPTY_SHARDS
+
+
+def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    heldout = tmp_path / "eval.jsonl"
+    heldout.write_text('{"prompt": "3+3=", "answer": "6"}\n')
+    cfg = config(tmp_path, "task.source.kind=dataset", f"task.source.train_path={train}",
+                 f"task.source.eval_path={heldout}")
+    with pytest.raises(DatasetError, match=r"train.jsonl: row 2: missing column 'answer'"):
+        make_task(cfg)
+
+
+def test_tokenizer_mismatch_between_policy_and_reference_stops_the_snapshot(run, tmp_path):
+    store, cfg, run_id, _ = run
+    other = tmp_path / "other-ref"
+    tokenizer = train_tokenizer(["abcdefghij"], tmp_path / "tok")  # not the task's characters
+    save_model(build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                                intermediate_size=16, max_position_embeddings=64, seed=0),
+               tokenizer, other)
+    cfg = replace(cfg, {"model.reference": str(other)})
+    fresh = run_id + "-fresh"
+    with pytest.raises(TokenizerMismatch, match="vocab_size"):
+        run_stage(store, cfg, fresh, "snapshot")
+    assert store.list(RunKeys(fresh).root) == []  # nothing half-published
+
+
+@pytest.mark.parametrize("head", ["causal-lm", "two-labels"])
+def test_reward_model_with_the_wrong_head_is_refused(run, tmp_path, head):
+    from transformers import LlamaForSequenceClassification
+
+    from shardrl.stages.policy import load_policy
+
+    store, cfg, run_id, _ = run
+    model, tokenizer = load_policy(store, RunKeys(run_id), 0, tmp_path / "cache")
+    folder = tmp_path / head
+    if head == "two-labels":
+        conf = model.config
+        conf.num_labels, conf.architectures = 2, ["LlamaForSequenceClassification"]
+        model = LlamaForSequenceClassification(conf)
+    save_model(model, tokenizer, folder)
+    cfg = replace(cfg, {"reward.reward_model": {"path": str(folder)}})
+    from shardrl.stages.score import Scorer
+
+    expected = "LlamaForCausalLM" if head == "causal-lm" else "num_labels=2"
+    with pytest.raises(RewardModelError, match=expected):
+        Scorer(context(store, cfg, run_id, "score"))
+
+
+def test_invalid_config_lists_every_problem_and_creates_nothing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: demo\nlearner: {lr: -1.0, lrr: 3}\nrollout: {group_size: 1}\n")
+    res = run_cli(["run", str(bad), "--store", str(tmp_path / "store"), "--no-progress"], tmp_path,
+                  timeout=120)
+    assert res.returncode == 1
+    for path in ("learner.lr", "learner.lrr", "rollout.group_size"):
+        assert path in res.stderr, res.stderr
+    assert "3 error(s)" in res.stderr
+    assert not (tmp_path / "store").exists()
+    res = run_cli(["config", "validate", str(bad)], tmp_path, timeout=120)
+    assert res.returncode != 0 and "rollout.group_size" in (res.stdout + res.stderr)
