@@ -1,0 +1,228 @@
+"""The DeepSpeed ZeRO learner backend (stage 1/2/3, optional optimizer offload, bf16).
+
+Every rank runs the same learner on the same batch (the learner broadcasts rank 0's choice
+of shards); DeepSpeed averages the identical gradients and partitions the optimizer state,
+the gradients (stage 2) and the parameters (stage 3) across ranks. Memory per rank falls
+with the number of ranks; the arithmetic per rank does not.
+
+On a machine without CUDA it runs with DeepSpeed's CPU accelerator and gloo. A process not
+started by `torchrun` becomes a world of one. Checkpoints hold the full AdamW moments per
+named parameter (`safe_get_full_optimizer_state`), so they do not depend on the number of
+ranks or on the backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..config.stages import DeepSpeedBackend
+from ..models.heads import Critic
+from .base import (
+    MOMENTS,
+    STEP_KEY,
+    CriticModule,
+    Json,
+    OptimSettings,
+    PolicyModule,
+    moment_key,
+    trainable_parts,
+)
+
+NEVER_PRINT = 2**62
+"""DeepSpeed's `steps_per_print`: the learner logs its own metrics."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the `torchrun` world, or make a world of one; nccl on CUDA, gloo otherwise."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def ds_config(cfg: DeepSpeedBackend, grad_clip: float | None,
+              param_persistence_threshold: int | None = None) -> dict:
+    """The DeepSpeed JSON config of `cfg` (one micro-batch per step: the learner batches)."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": grad_clip or 0.0,
+        "zero_optimization": zero,
+        # a non-finite gradient norm skips the step in bf16 too, as in fp32 and the torch backend
+        "bf16": {"enabled": cfg.bf16, "check_grad_overflow": True},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": NEVER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+
+
+class _Parts(nn.Module):
+    """The trainable modules under one root, as DeepSpeed wants a single model."""
+
+    def __init__(self, policy: PolicyModule, critic: CriticModule | None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+
+
+class DeepSpeedLearnerBackend:
+    """`Backend` on a DeepSpeed engine. Call it on every rank, in the same order.
+
+    `param_persistence_threshold` overrides ZeRO-3's size below which parameters stay whole
+    on every rank (tests set 0 so that even a tiny model is partitioned).
+    """
+
+    def __init__(self, lm: nn.Module, settings: OptimSettings, cfg: DeepSpeedBackend,
+                 critic: Critic | None = None,
+                 param_persistence_threshold: int | None = None) -> None:
+        init_distributed()
+        import deepspeed
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.policy = PolicyModule(lm)
+        self.critic = CriticModule(critic) if critic is not None else None
+        self.parts = trainable_parts(lm, critic)
+        groups = settings.param_groups(self.parts)
+        if cfg.offload_optimizer and torch.cuda.is_available():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            opt = DeepSpeedCPUAdam(groups, lr=settings.lr, betas=settings.betas,
+                                   weight_decay=settings.weight_decay, adamw_mode=True)
+        else:
+            opt = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas,
+                                    weight_decay=settings.weight_decay)
+        config = ds_config(cfg, settings.grad_clip, param_persistence_threshold)
+        root = _Parts(self.policy, self.critic)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=root, optimizer=opt, config=config, dist_init_required=False)
+        self.zero3 = cfg.zero_stage == 3
+        if self.zero3:  # the FP32 head reads the (tied) output weight inside PolicyModule.forward
+            deepspeed.zero.register_external_parameter(self.policy,
+                                                       lm.get_output_embeddings().weight)
+        self.device = next(lm.parameters()).device
+
+    def set_lr(self, part: str, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            if group["name"] == part:
+                group["lr"] = lr
+
+    def _all_ranks_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def step(self, loss: Tensor) -> tuple[bool, float]:
+        if not self._all_ranks_true(bool(torch.isfinite(loss))):
+            return False, math.nan
+        self.engine.backward(loss)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = math.nan if norm is None else float(norm)
+        return bool(self.engine.was_step_applied()), norm
+
+    def gathered(self) -> AbstractContextManager[None]:
+        if not self.zero3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()),
+                                                 modifier_rank=None)
+
+    # -- checkpoint state -------------------------------------------------------------------
+    def _inner_states(self) -> list[dict]:
+        """The AdamW state entries of the flat fp32 partitions this rank owns."""
+        inner = self.optimizer.optimizer
+        return [s for s in inner.state.values() if s]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        states = self._inner_states()
+        local_step = float(states[0]["step"]) if states else 0.0
+        steps = torch.tensor([local_step], dtype=torch.float64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # a rank may own no partition
+        state: dict[str, Tensor] = {STEP_KEY: torch.tensor(float(steps.item()))}
+        if steps.item() == 0:
+            return state
+        for part, module in self.parts.items():
+            for name, param in module.named_parameters():
+                for slot in MOMENTS:
+                    full = safe_get_full_optimizer_state(param, slot)
+                    state[moment_key(part, name, slot)] = full.detach().float().cpu().clone()
+        return state
+
+    def _materialize_state(self) -> None:
+        """Create the (lazily built) AdamW state with one step of zero gradients at lr 0."""
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        ids = torch.zeros((1, 2), dtype=torch.long)
+        ones = torch.ones_like(ids)
+        start = torch.ones(1, dtype=torch.long)
+        loss = self.policy(ids, ones, start).logprobs.sum() * 0.0
+        if self.critic is not None:
+            loss = loss + self.critic(ids, ones, start).sum() * 0.0
+        self.engine.backward(loss)
+        self.engine.step()
+        for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        step = float(state[STEP_KEY])
+        if step == 0:
+            return
+        if not self._all_ranks_true(bool(self._inner_states())):
+            self._materialize_state()
+        missing = []
+        for part, module in self.parts.items():
+            for name, param in module.named_parameters():
+                for slot in MOMENTS:
+                    key = moment_key(part, name, slot)
+                    if key not in state:
+                        missing.append(key)
+                        continue
+                    safe_set_full_optimizer_state(param, state[key].to(self.device), slot)
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} entries, e.g. {missing[:3]}")
+        for slots in self._inner_states():
+            if torch.is_tensor(slots["step"]):
+                slots["step"].fill_(step)
+            else:
+                slots["step"] = int(step)
+
+    def broadcast_json(self, value: Json) -> Json:
+        data = json.dumps(value).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=0)
+        return json.loads(bytes(buf.cpu().tolist()))

@@ -1,0 +1,145 @@
+"""Run under `torchrun`: DeepSpeed backend vs torch backend on one batch, resume, skipped steps.
+
+Every rank computes the learner's real loss (`compute_loss`) on the same batch. Each rank writes
+`<out>/result-<rank>.json`: per ZeRO variant, the largest differences to the torch backend (losses,
+gradient norms, weights after two steps), after resuming from a checkpoint of either backend,
+and whether a non-finite loss left the weights alone.
+
+usage: torchrun --nproc_per_node N ds_worker.py OUT_DIR VARIANT [VARIANT ...]
+(VARIANT: a ZeRO stage 1, 2 or 3, with "+offload" for optimizer offload)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shardrl.config import load_config
+from shardrl.config.stages import DeepSpeedBackend, LearnerConfig
+from shardrl.learner_backends import OptimSettings, build_backend
+from shardrl.learner_backends.deepspeed_backend import DeepSpeedLearnerBackend
+from shardrl.stages.update import compute_loss
+
+LEARNER = LearnerConfig(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=0.5)
+CFG = load_config("demo", ["algo.aggregation=prompt", "algo.kl.placement=none",
+                           "algo.is_correction.enabled=true"])
+
+
+def lm() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                      pad_token_id=0, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def batch() -> pa.Table:
+    """Two groups of two samples, with behaviour logprobs a little off the learner's."""
+    floats = pa.list_(pa.float32())
+    return pa.table({
+        "group_id": [1, 1, 2, 2],
+        "prompt_token_ids": [[3, 4], [3, 4], [5, 6, 7], [5, 6, 7]],
+        "response_token_ids": [[8, 9, 2], [10, 2], [11, 12], [4, 5, 6, 2]],
+        "advantage": [1.0, -1.0, 0.5, -0.5],
+        "behavior_logprobs": pa.array([[-2.0, -2.5, -3.0], [-2.2, -2.4], [-2.6, -2.3],
+                                       [-2.1, -2.9, -2.7, -2.5]], floats),
+        "ref_logprobs": pa.array([None] * 4, floats),
+    })
+
+
+def run_steps(backend, steps: int, table: pa.Table) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, _, _ = compute_loss(CFG, backend.policy, table, 0, beta=0.0)
+        applied, norm = backend.step(loss)
+        assert applied
+        losses.append(float(loss.detach()))
+        norms.append(norm)
+    return losses, norms
+
+
+def weights(backend) -> dict[str, torch.Tensor]:
+    with backend.gathered():
+        state = backend.policy.lm.state_dict()
+        return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def deepspeed(variant: str, model: torch.nn.Module) -> DeepSpeedLearnerBackend:
+    """variant: the ZeRO stage, "+offload" for optimizer offload (e.g. "2+offload")."""
+    stage = int(variant[0])
+    cfg = DeepSpeedBackend(zero_stage=stage, offload_optimizer=variant.endswith("+offload"))
+    # threshold 0: ZeRO-3 partitions even this tiny model's parameters
+    return DeepSpeedLearnerBackend(model, OptimSettings.from_config(LEARNER), cfg,
+                                   param_persistence_threshold=0 if stage == 3 else None)
+
+
+def with_weights(state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    model = lm()
+    model.load_state_dict(state)
+    return model
+
+
+def check_variant(stage: str, table: pa.Table) -> dict:
+    torch_backend = build_backend(LEARNER, lm())
+    t_losses, t_norms = run_steps(torch_backend, 2, table)
+    t_final = weights(torch_backend)
+
+    ds = deepspeed(stage, lm())
+    d_losses, d_norms = run_steps(ds, 2, table)
+    d_final = weights(ds)
+
+    # resume from a DeepSpeed checkpoint after one step
+    first = deepspeed(stage, lm())
+    run_steps(first, 1, table)
+    state, after_one = first.state_dict(), weights(first)
+    resumed = deepspeed(stage, with_weights(after_one))
+    resumed.load_state_dict(state)
+    run_steps(resumed, 1, table)
+
+    # resume under DeepSpeed from a torch-backend checkpoint
+    t_first = build_backend(LEARNER, lm())
+    run_steps(t_first, 1, table)
+    crossed = deepspeed(stage, with_weights(weights(t_first)))
+    crossed.load_state_dict(t_first.state_dict())
+    run_steps(crossed, 1, table)
+
+    # a non-finite loss is skipped on every rank and leaves the weights alone
+    before = weights(crossed)
+    loss, _, _ = compute_loss(CFG, crossed.policy, table, 0, beta=0.0)
+    applied, norm = crossed.step(loss * float("nan"))
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(t_losses, d_losses, strict=True)),
+        "norm_diff": max(abs(a - b) for a, b in zip(t_norms, d_norms, strict=True)),
+        "weight_diff": max_diff(t_final, d_final),
+        "moved": max_diff(t_final, weights(build_backend(LEARNER, lm()))),
+        "resume_diff": max_diff(weights(resumed), d_final),
+        "cross_resume_diff": max_diff(before, t_final),
+        "skipped": (not applied) and math.isnan(norm),
+        "skip_changed": max_diff(weights(crossed), before),
+        "world_size": ds.world_size,
+        "broadcast": ds.broadcast_json({"from_rank": ds.rank, "keys": ["a", "b"]}),
+        "step_state": float(state["step"]),
+    }
+
+
+def main() -> None:
+    out, variants = Path(sys.argv[1]), sys.argv[2:]
+    table = batch()
+    results = {variant: check_variant(variant, table) for variant in variants}
+    out.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank()
+    (out / f"result-{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
