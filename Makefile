@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/demo.yaml
 EXTRAS ?= dev
+# Extras whose sdists build against the torch already installed (pip's build isolation would
+# fetch another torch, a CUDA one): installed after torch without isolation, ops not compiled.
+NO_ISOLATION_EXTRAS ?= deepspeed
 
 .PHONY: help venv run test test-fast lint bench pipeline-compile pipeline-run images clean
 
@@ -23,6 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation -e ".[$(NO_ISOLATION_EXTRAS)]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
