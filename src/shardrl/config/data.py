@@ -13,8 +13,11 @@ class BuiltinTask(Section):
     """A verifiable task whose prompts are generated in code (no downloads)."""
 
     kind: Literal["builtin"] = "builtin"
-    name: Literal["arithmetic"] = "arithmetic"
-    """Built-in task name."""
+    name: Literal["cipher", "addition"] = "cipher"
+    """'cipher': shift each letter of a word one place; 'addition': sums of numbers up to 999."""
+    demo_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of SFT demonstrations with one wrong character, as an imperfect demonstrator
+    writes them (the verifier used by RL is never wrong)."""
     heldout_size: int = Field(256, ge=16, le=1_000_000)
     """Size of the fixed held-out split used by evaluation."""
     seed: int = Field(0, ge=0)

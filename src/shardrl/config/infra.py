@@ -135,7 +135,11 @@ class DoctorConfig(Section):
     length_drift: float = Field(1.5, gt=1.0, le=100.0)
     """Response length drifts when its recent/early mean ratio leaves [1/x, x]."""
     shift_min: float = Field(0.5, gt=0.0, le=100.0)
-    """A level shift must move the mean by this fraction of the metric's scale (collapse)."""
+    """A KL or length level shift must move the mean by this fraction of its level (collapse)."""
+    reward_drop: float = Field(1.0, gt=0.0, le=100.0)
+    """A sudden reward drop must lower the mean by this many reward stds (collapse)."""
+    noise_z: float = Field(2.0, ge=0.0, le=100.0)
+    """A change between two windows counts only beyond this many standard errors of their means."""
     fit_min_points: int = Field(4, ge=3, le=10000)
     """Held-out evaluations needed before the compute->pass-rate sigmoid is fitted."""
     fit_bootstrap: int = Field(200, ge=0, le=100_000)

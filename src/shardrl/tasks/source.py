@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..config import RunConfig
 from ..config.data import BuiltinTask as BuiltinTaskConfig
 from .builtin import BuiltinTask, TaskItem
+from .cipher import CipherTask, with_slips
 
 # validation items kept apart from the demonstrations to detect the SFT plateau
 VALIDATION_ITEMS = 256
@@ -46,18 +47,19 @@ def make_task(cfg: RunConfig) -> TaskData:
 
 
 def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
-    task = BuiltinTask()
+    task = CipherTask() if source.name == "cipher" else BuiltinTask()
 
     def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
         stream = task.train_prompts(_mix(cfg.seed, source.seed, worker, seq))
         return list(itertools.islice(stream, n))
 
     def demonstrations(n: int) -> list[tuple[str, str]]:
-        return task.demonstrations(n, cfg.seed + source.seed)
+        pairs = task.demonstrations(n, cfg.seed + source.seed)
+        return with_slips(pairs, source.demo_error_rate, cfg.seed + source.seed)
 
     validation = task.validation(VALIDATION_ITEMS)
     heldout = task.heldout(source.heldout_size)
-    corpus = ["0123456789+=-*/ ()"] + [it.prompt + it.answer for it in heldout[:64]]
+    corpus = ["0123456789+=-*/ ()abcdefghij"] + [it.prompt + it.answer for it in heldout[:64]]
     return TaskData(train_items, demonstrations, validation, heldout, task.verify, corpus)
 
 
