@@ -133,9 +133,11 @@ def test_d_reward_hacking(variant):
 
 def test_e_sudden_reward_drop_and_length_shift():
     s = base()
-    # reward drops from 0.355 to 0.05 at step 12 (typical step change 0.005) and stays there;
-    # length jumps from ~20 to 35 at the same step
+    # reward drops from 0.355 to 0.05 at step 12 (step change before: 0.005) and stays there:
+    # mean 0.345 -> 0.05, a fall of 0.295 > reward_drop 1 x the within-batch std 0.2;
+    # length jumps from 20 to 35 at the same step (+75% > shift_min 50%)
     s["score/reward_rm_mean"] = np.where(STEP < 12, 0.3 + 0.005 * STEP, 0.05)
+    s["score/reward_rm_std"] = np.full(N, 0.2)
     s["score/pass_rate"] = s["score/reward_rm_mean"]
     s["rollout/response_length_mean"] = np.where(STEP < 12, 20.0, 35.0)
     (f,) = diagnose(metrics(s), CFG)
@@ -196,9 +198,12 @@ def test_spike_indices_by_hand():
 def test_level_shift_ignores_a_one_point_spike():
     spike = np.array([1.0, 1.1, 1.0, 1.1, 1.0, 9.0, 1.0, 1.1, 1.0, 1.1, 1.0])
     shift = np.array([1.0, 1.1, 1.0, 1.1, 1.0, 9.0, 9.1, 9.0, 9.1, 9.0, 9.1])
-    assert level_shift(spike, 5, 5.0, lambda b: 0.5, 0) is None
-    assert level_shift(shift, 5, 5.0, lambda b: 0.5, 0) == 5
-    assert level_shift(shift, 5, 5.0, lambda b: 0.5, -1) is None  # it went up, not down
+    # shift at i = 5: mean |step| before 0.1, jump 8 > 5 x 0.1; window means 1.04 -> 9.04,
+    # a change of 8 >= half the jump, >= 0.5 and far beyond 2 standard errors (~0.035 each)
+    assert level_shift(spike, 5, 5.0, 2.0, 0, lambda i: 0.5) is None
+    assert level_shift(shift, 5, 5.0, 2.0, 0, lambda i: 0.5) == 5
+    assert level_shift(shift, 5, 5.0, 2.0, -1, lambda i: 0.5) is None  # up, not down
+    assert level_shift(shift, 5, 5.0, 2.0, 0, lambda i: 10.0) is None  # smaller than asked
 
 
 def test_remedy_keys_follow_the_kl_controller():

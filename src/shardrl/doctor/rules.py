@@ -1,24 +1,25 @@
 """The doctor's rules: one small pure function per symptom, `rule(metrics, cfg) -> Finding | None`.
 
 Thresholds come from `cfg.doctor` (w = `window` points per comparison window). A trend
-compares the first w points of a series with its last w and is judged only once the series
-has `max(min_steps, 2w)` finite points. Rules other than the collapse rule look at finite
-values only; non-finite values are the collapse rule's evidence.
+compares the mean of the first w points of a series with that of its last w, is judged only
+once the series has `max(min_steps, 2w)` finite points, and counts only beyond `noise_z`
+standard errors of that difference (small batches make noisy series). Rules other than the
+collapse rule look at finite values only; non-finite values are the collapse rule's evidence.
 
   A  KL blow-up       at some step: clip_frac > clip_frac_high, KL above its limit (kl_mean >
                       kl_mean_high or kl_sum > kl_high) and its past, staying there for w steps,
                       and entropy over those steps entropy_drop below its mean before
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
-                      reward_flat reward stds
+                      reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
                       the w points before it
   D  reward hacking   reward_rm up by > reward_rise reward stds while held-out pass@1 falls
                       eval_drop below its best, the verifier pass rate falls by agreement_drop,
                       or the response length drifts beyond a factor length_drift
   E  collapse         non-finite values or skipped steps; or a level shift: one step's change
-                      > spike_factor x the typical step change before it, with the next w points
-                      staying shifted by >= shift_min of the metric's scale (reward down; KL up
-                      to a mean above kl_high; length either way)
+                      > spike_factor x the mean step change before it, the next w points staying
+                      shifted: reward down by reward_drop reward stds, KL up by shift_min of its
+                      level to a mean above kl_high, length either way by shift_min of its level
   advantage           |advantage| > advantage_abs_max (ScaleRL)
   filtering           filter rate > filter_rate_high, averaged over w consecutive steps
   truncation          truncation rate > truncation_rate_high, averaged over w consecutive steps
@@ -53,8 +54,15 @@ def _trend_ready(s: Series | None, d: DoctorConfig) -> bool:
     return s is not None and len(s) >= max(d.min_steps, 2 * d.window)
 
 
-def _early_recent(s: Series, w: int) -> tuple[np.ndarray, np.ndarray]:
-    return s.values[:w], s.values[-w:]
+def _noise(a: np.ndarray, b: np.ndarray) -> float:
+    """Standard error of mean(b) - mean(a) from the spread within each window."""
+    return float(np.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b)))
+
+
+def _change(s: Series, w: int) -> tuple[float, float, float]:
+    """(mean of the first w points, mean of the last w, standard error of the difference)."""
+    a, b = s.values[:w], s.values[-w:]
+    return float(np.mean(a)), float(np.mean(b)), _noise(a, b)
 
 
 def _recent(s: Series, w: int, note: str) -> Evidence:
@@ -122,14 +130,14 @@ def kl_stuck(m: Metrics, cfg: RunConfig) -> Finding | None:
     if not (_trend_ready(kl, d) and _trend_ready(rew, d)):
         return None
     kl_recent = float(np.median(kl.values[-w:]))
-    early, recent = (float(np.mean(v)) for v in _early_recent(rew, w))
+    early, recent, se = _change(rew, w)
     scale = reward_scale(m)
-    if kl_recent >= d.kl_low or abs(recent - early) > d.reward_flat * scale:
+    if kl_recent >= d.kl_low or abs(recent - early) > d.reward_flat * scale + d.noise_z * se:
         return None
     ev = [_recent(kl, w, f"median {kl_recent:.3g} over the last {w} steps < kl_low {d.kl_low:g}"),
           evidence(rew.name, rew.steps, rew.values,
                    f"mean {early:.3g} -> {recent:.3g}: change within {d.reward_flat:g} reward "
-                   f"std ({scale:.3g})")]
+                   f"std ({scale:.3g}) + {d.noise_z:g} standard errors ({se:.3g})")]
     for name in ("learn/entropy", "learn/clip_frac"):
         s = _finite(m, name)
         if s is not None:
@@ -173,9 +181,9 @@ def reward_hacking(m: Metrics, cfg: RunConfig) -> Finding | None:
     rew = _finite(m, REWARD)
     if not _trend_ready(rew, d):
         return None
-    early, recent = (float(np.mean(v)) for v in _early_recent(rew, w))
+    early, recent, se = _change(rew, w)
     scale = reward_scale(m)
-    if recent - early <= d.reward_rise * scale:
+    if recent - early <= d.reward_rise * scale + d.noise_z * se:
         return None
     signs = []
     ev_s = _finite(m, EVAL)
@@ -186,12 +194,12 @@ def reward_hacking(m: Metrics, cfg: RunConfig) -> Finding | None:
                                   f"latest {ev_s.values[-1]:.3g} < best {best:.3g} - eval_drop"))
     agree = _finite(m, PASS)
     if _trend_ready(agree, d):
-        a0, a1 = (float(np.mean(v)) for v in _early_recent(agree, w))
-        if a1 < a0 - d.agreement_drop:
+        a0, a1, a_se = _change(agree, w)
+        if a1 < a0 - d.agreement_drop - d.noise_z * a_se:
             signs.append(_recent(agree, w, f"verifier pass rate {a0:.3g} -> {a1:.3g}"))
     length = _finite(m, LENGTH)
     if _trend_ready(length, d):
-        l0, l1 = (float(np.mean(v)) for v in _early_recent(length, w))
+        l0, l1, _ = _change(length, w)
         if l0 > 0 and not 1 / d.length_drift <= l1 / l0 <= d.length_drift:
             signs.append(_recent(length, w, f"mean length {l0:.3g} -> {l1:.3g} "
                                             f"(beyond x{d.length_drift:g})"))
@@ -204,22 +212,23 @@ def reward_hacking(m: Metrics, cfg: RunConfig) -> Finding | None:
          LENGTH: "the length drifts"}[e.metric] for e in signs), ev + signs, cfg)
 
 
-def level_shift(values: np.ndarray, w: int, factor: float, min_change: Callable[[np.ndarray],
-                float], direction: int) -> int | None:
+def level_shift(values: np.ndarray, w: int, factor: float, noise_z: float, direction: int,
+                min_change: Callable[[int], float]) -> int | None:
     """First index i where the series jumps to a new level and stays there.
 
-    Step i qualifies when |x[i] - x[i-1]| > factor * median(|diff(x[i-w:i])|), the mean of
-    x[i:i+w] differs from that of x[i-w:i] in the jump's direction by at least half the jump
-    and by at least `min_change(x[i-w:i])`, and `direction` (+1 up, -1 down, 0 either) agrees.
-    A one-point spike fails the "stays there" test.
+    Step i qualifies when |x[i] - x[i-1]| > factor * mean(|diff(x[i-w:i])|); the mean of
+    x[i:i+w] differs from that of x[i-w:i] in the jump's direction by at least half the jump,
+    by at least `min_change(i)` and by more than `noise_z` standard errors; and `direction`
+    (+1 up, -1 down, 0 either) agrees. A one-point spike fails the "stays there" test.
     """
     for i in range(w, len(values) - w + 1):
         before, after = values[i - w:i], values[i:i + w]
         jump = values[i] - values[i - 1]
         change = float(np.mean(after) - np.mean(before))
-        typical = float(np.median(np.abs(np.diff(before))))
+        typical = float(np.mean(np.abs(np.diff(before))))
         if (direction * jump >= 0 and abs(jump) > factor * typical and change * jump > 0
-                and abs(change) >= 0.5 * abs(jump) and abs(change) >= min_change(before)):
+                and abs(change) >= max(0.5 * abs(jump), min_change(i))
+                and abs(change) > noise_z * _noise(before, after)):
             return i
     return None
 
@@ -238,18 +247,25 @@ def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
     if skipped is not None and skipped.values[-1] > 0:
         ev.append(evidence(skipped.name, skipped.steps, skipped.values,
                            "steps skipped for a non-finite loss or gradient"))
-    scale = reward_scale(m)
-
-    def relative(before: np.ndarray) -> float:
-        return d.shift_min * max(abs(float(np.mean(before))), float(np.std(before)))
-
-    # (metric, direction, smallest change, level the new mean must pass): KL growing from ~0
-    # early on is normal, so a KL shift counts only when it lands above kl_high
-    checks = ((REWARD, -1, lambda before: d.shift_min * scale, -np.inf),
-              (KL_SUM, 1, relative, d.kl_high), (LENGTH, 0, relative, -np.inf))
-    for name, direction, min_change, above in checks:
+    reward_std = _finite(m, REWARD_STD)
+    # (metric, direction, smallest change at index i, level the new mean must pass): KL
+    # growing from ~0 early on is normal, so a KL shift counts only when it lands above kl_high
+    checks = ((REWARD, -1, "reward", -np.inf), (KL_SUM, 1, "level", d.kl_high),
+              (LENGTH, 0, "level", -np.inf))
+    for name, direction, unit, above in checks:
         s = _finite(m, name)
-        i = None if s is None else level_shift(s.values, w, d.spike_factor, min_change, direction)
+        if s is None:
+            continue
+
+        def min_change(i: int, s: Series = s, unit: str = unit) -> float:
+            before = s.values[i - w:i]
+            if unit == "level":
+                return d.shift_min * abs(float(np.mean(before)))
+            std = reward_std.values[np.isin(reward_std.steps, s.steps[i - w:i])] \
+                if reward_std is not None else np.zeros(0)
+            return d.reward_drop * (float(np.mean(std)) if len(std) else reward_scale(m))
+
+        i = level_shift(s.values, w, d.spike_factor, d.noise_z, direction, min_change)
         if i is not None and np.mean(s.values[i:i + w]) > above:
             before, after = np.mean(s.values[i - w:i]), np.mean(s.values[i:i + w])
             ev.append(evidence(name, s.steps[i - w:i + w], s.values[i - w:i + w],
