@@ -23,7 +23,11 @@ class Monitor:
             self.bar = tqdm(total=self.total, desc="learner", unit="step", file=sys.stderr)
         self.last_line = ""
         self.last_tick = 0.0
-        self.forwarded: set[str] = set()
+        self.forwarded_key = lr.keys.state("runner", "forwarded.json")
+        self.forwarded: dict[str, str] = (lr.store.get_json(self.forwarded_key)
+                                          if lr.store.exists(self.forwarded_key) else {})
+        """Per metrics writer ("<stage>/wWW"), the last chunk sent to MLflow: chunk names grow
+        with time, so a resumed run forwards only what its predecessor had not."""
         self.mlflow = None
         if lr.cfg.tracking.enabled:
             self.client = client(lr.cfg)
@@ -68,17 +72,20 @@ class Monitor:
         if self.mlflow is None:
             return
         store, keys = self.lr.store, self.lr.keys
-        points = []
+        points, marks = [], dict(self.forwarded)
         for key in store.list(keys.root + "metrics/"):
-            if key in self.forwarded:
+            writer = _writer(key)
+            if key <= marks.get(writer, ""):
                 continue
             table = pq.read_table(io.BytesIO(store.get_bytes(key)))
             points += list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
                                table.column("value").to_pylist(), table.column("time").to_pylist(),
                                strict=True))
-            self.forwarded.add(key)
+            marks[writer] = key
         if points:
             log_points(self.client, self.mlflow, points)
+            self.forwarded = marks
+            store.put_json(self.forwarded_key, marks)
 
     def finish_metrics(self) -> None:
         self.last_tick = 0.0
@@ -127,3 +134,9 @@ class Monitor:
             "accounting": acc.as_dict(), "evals": {str(k): v for k, v in evals.items()},
             "promote": promo, "done": done})
         return 0 if acc.balanced else 3
+
+
+def _writer(chunk_key: str) -> str:
+    """"<stage>/wWW" of a metrics chunk key `.../metrics/<stage>/wWW-<time>.parquet`."""
+    stage, name = chunk_key.rsplit("/", 2)[-2:]
+    return f"{stage}/{name.split('-', 1)[0]}"
