@@ -175,9 +175,10 @@ def within_noise(a: list[float], b: list[float], z: float = 4.0) -> bool:
 
 
 def test_within_noise_bound_by_hand():
-    # means 1.0 and 2.0; variances 1 and 1 over 4 samples each: SE = sqrt(1/4 + 1/4) = 0.707
-    a, b = [0.0, 1.0, 1.0, 2.0], [1.0, 2.0, 2.0, 3.0]  # var = (1 + 0 + 0 + 1) / 3 = 2/3
-    # SE = sqrt(2/3/4 * 2) = 0.577; 1.0 <= 2 * 0.577 but not <= 1 * 0.577
+    # means 1 and 2; each sample variance is (1 + 0 + 0 + 1) / 3 = 2/3 over 4 values, so the
+    # standard error of the difference is sqrt(2/3 / 4 + 2/3 / 4) = 0.577: the gap of 1.0 is
+    # within 2 SE (1.155) but not within 1 SE
+    a, b = [0.0, 1.0, 1.0, 2.0], [1.0, 2.0, 2.0, 3.0]
     assert within_noise(a, b, z=2.0) and not within_noise(a, b, z=1.0)
     assert within_noise([0.0] * 8, [0.0] * 8) and not within_noise([0.0] * 8, [1.0] * 8)
 

@@ -1,0 +1,164 @@
+"""Secrets and weights: credentials come only from the environment and never reach a log, the
+tracking server or the store; weights load from safetensors only; containers run unprivileged."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from e2e.conftest import TINY
+from shardrl.models.io import UnsafeWeightsError, load_causal_lm, save_model
+from shardrl.models.tiny import build_tiny_model, train_tokenizer
+from shardrl.stages.policy import MANIFEST, load_policy, upload_folder
+from shardrl.store import LocalStore, RunKeys
+from shardrl.store.s3 import S3Store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def files_under(*folders: Path) -> list[Path]:
+    return [p for folder in folders if folder.exists() for p in folder.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow
+def test_a_run_with_credentials_leaks_none_of_them(tmp_path, seaweed):
+    bucket = "secrets-" + secrets.token_hex(4)
+    seaweed.make_bucket(bucket)
+    password, token = secrets.token_hex(16), secrets.token_hex(16)
+    env = dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+               S3_ENDPOINT_URL=seaweed.endpoint, AWS_ACCESS_KEY_ID=seaweed.access_key,
+               AWS_SECRET_ACCESS_KEY=seaweed.secret_key, MLFLOW_TRACKING_USERNAME="shardrl",
+               MLFLOW_TRACKING_PASSWORD=password, HF_TOKEN=token)
+    values = {"AWS_SECRET_ACCESS_KEY": seaweed.secret_key, "MLFLOW_TRACKING_PASSWORD": password,
+              "HF_TOKEN": token, "AWS_ACCESS_KEY_ID": seaweed.access_key}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY + f"tracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "shardrl.cli", "run", str(config), "--run-id", "creds",
+         "--store", f"s3://{bucket}/runs", "--no-progress", "--set", "learner.total_steps=2",
+         "--set", "eval.every=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    # everything the run left: its output, stage logs, the MLflow database and artifacts,
+    # and every object of the run in the store (run.json and the state files among them)
+    texts = {"stdout": res.stdout.encode(), "stderr": res.stderr.encode()}
+    for path in files_under(tmp_path / ".shardrl", tmp_path / "mlartifacts"):
+        texts[str(path)] = path.read_bytes()
+    texts["mlflow.db"] = (tmp_path / "mlflow.db").read_bytes()
+    store = S3Store(bucket, "runs", seaweed.endpoint, seaweed.access_key, seaweed.secret_key)
+    keys = RunKeys("creds")
+    objects = store.list(keys.root)
+    assert keys.run_json() in objects and any("/logs/" in t for t in texts)
+    for key in objects:
+        if not key.endswith((".safetensors", ".parquet")):  # weights and shards hold numbers
+            texts[key] = store.get_bytes(key)
+    # MLflow params and tags, through the client as a user would read them
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1 and runs[0].data.params
+    texts["mlflow params and tags"] = repr((runs[0].data.params, runs[0].data.tags)).encode()
+    for where, data in texts.items():
+        for name, value in values.items():
+            assert value.encode() not in data, f"{name} leaked into {where}"
+
+
+def _malicious_pickle(path: Path, marker: Path) -> None:
+    """A `.bin` checkpoint whose unpickling would create `marker` (as a real attack would run
+    code of its choice)."""
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"model.embed_tokens.weight": Payload()}, path)
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    tokenizer = train_tokenizer(["0123456789+="], tmp_path / "tok")
+    model = build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                             intermediate_size=16, max_position_embeddings=32, seed=0)
+    folder = tmp_path / "model"
+    save_model(model, tokenizer, folder)
+    return folder
+
+
+def test_planted_pickle_weights_are_refused_and_never_unpickled(model_dir, tmp_path):
+    marker = tmp_path / "pwned"
+    _malicious_pickle(model_dir / "pytorch_model.bin", marker)
+    with pytest.raises(UnsafeWeightsError, match=r"pytorch_model\.bin"):
+        load_causal_lm(model_dir)
+    # a published policy folder holding a pickle (listed in its manifest, so only the pickle
+    # check can stop it) is refused by every stage that loads the policy
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("r")
+    with pytest.raises(UnsafeWeightsError):
+        upload_folder(store, keys.policy_prefix(0), model_dir)
+    (model_dir / "pytorch_model.bin").rename(tmp_path / "pytorch_model.bin")
+    upload_folder(store, keys.policy_prefix(0), model_dir)
+    data = (tmp_path / "pytorch_model.bin").read_bytes()
+    store.put_bytes(keys.policy_file(0, "pytorch_model.bin"), data)
+    manifest = store.get_json(keys.policy_file(0, MANIFEST))
+    manifest["files"]["pytorch_model.bin"] = hashlib.sha256(data).hexdigest()
+    store.put_json(keys.policy_file(0, MANIFEST), manifest)
+    with pytest.raises(UnsafeWeightsError, match="pickle"):
+        load_policy(store, keys, 0, tmp_path / "cache")
+    assert not marker.exists()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("overlay", ["kubeflow", "standalone"])
+def test_rendered_manifests_run_unprivileged_and_take_credentials_from_secrets(overlay):
+    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests/overlays" / overlay)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    objects = [o for o in yaml.safe_load_all(out) if o]
+    pods = [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objects
+            if o["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")]
+    assert pods
+    secret_like = ("KEY", "SECRET", "PASSWORD", "TOKEN")
+    for name, spec in pods:
+        pod_ctx = spec.get("securityContext", {})
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            ctx = {**pod_ctx, **c.get("securityContext", {})}
+            where = f"{overlay}/{name}/{c['name']}"
+            assert ctx.get("runAsNonRoot") is True, where
+            assert ctx.get("allowPrivilegeEscalation") is False, where
+            assert ctx.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not ctx.get("capabilities", {}).get("add"), where
+            assert not ctx.get("privileged", False), where
+            for var in c.get("env", []):
+                if any(word in var["name"].upper() for word in secret_like):
+                    assert "value" not in var, f"{where}: {var['name']} is written in plain text"
+                    assert "secretKeyRef" in var.get("valueFrom", {}), (where, var["name"])
+    # credentials live in Secrets only, never in a ConfigMap
+    for o in objects:
+        if o["kind"] == "ConfigMap":
+            for key in o.get("data", {}):
+                assert not any(word in key.upper() for word in secret_like), (o["metadata"], key)
+
+
+def test_credentials_come_from_the_environment_only(tmp_path, monkeypatch):
+    """The store takes its keys from the environment; a config cannot carry them."""
+    from shardrl.config import ConfigError, load_config
+    from shardrl.store import PermanentStoreError, open_store
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "SHARDRL_AWS_ACCESS_KEY_ID",
+                 "SHARDRL_AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(PermanentStoreError, match="no credentials .* set AWS_ACCESS_KEY_ID"):
+        open_store("s3://bucket/prefix")
+    config = tmp_path / "c.yaml"
+    config.write_text("extends: demo\nstore: {uri: 's3://b/p', secret_key: 'x'}\n")
+    with pytest.raises(ConfigError, match="store.secret_key"):
+        load_config(str(config))
