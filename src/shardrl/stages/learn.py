@@ -34,6 +34,10 @@ BACKEND_STATE, CRITIC = "backend", "critic"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
 
 
+FILTERED_LIMIT = 8
+"""Step anyway once this many batches' worth of groups wait and too few have signal."""
+
+
 def main(ctx: StageContext) -> int:
     return Learner(ctx).run()
 
@@ -105,12 +109,27 @@ class Learner:
         lag = self.version - parse_shard_key(key).version
         self.buffer.append((key, table, "stale" if lag > self.k() else "admitted"))
 
-    def groups_ready(self) -> int:
-        groups = set()
+    def groups_ready(self) -> tuple[int, int]:
+        """(groups kept by filtering, all groups) among the admitted buffered shards."""
+        kept, total = set(), set()
         for _, table, outcome in self.buffer:
             if outcome == "admitted":
-                groups.update(table.column("group_id").to_pylist())
-        return len(groups)
+                ids = table.column("group_id").to_pylist()
+                total.update(ids)
+                kept.update(g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True) if k)
+        return len(kept), len(total)
+
+    def batch_ready(self) -> bool:
+        """B kept prompt groups (ScaleRL's effective batch), or a long run of filtered ones."""
+        kept, total = self.groups_ready()
+        b = self.cfg.learner.batch_prompts
+        return kept >= b or total >= FILTERED_LIMIT * b
+
+    def publish_buffered(self) -> None:
+        """Tell rollout workers which of their shards wait in the buffer (backlog accounting)."""
+        counts: Counter[int] = Counter(parse_shard_key(k).worker for k, _, _ in self.buffer)
+        self.ctx.store.put_json(self.ctx.keys.state("learn", "buffered.json"),
+                                {str(w): n for w, n in counts.items()})
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -120,11 +139,13 @@ class Learner:
             new = [k for k in self.scanner.poll(self.version) if k not in buffered]
             for key in new:
                 self.admit(key)
-            if self.groups_ready() >= lc.batch_prompts:
+            if self.batch_ready():
                 self.step()
                 if ctx.once and self.version < lc.total_steps:
                     return 0
-            elif not new:
+            elif new:
+                self.publish_buffered()
+            else:
                 if ctx.once and ctx.done():
                     return 0
                 time.sleep(lc.poll_interval_s)
@@ -195,6 +216,7 @@ class Learner:
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
         self.buffer = []
+        self.publish_buffered()  # before progress.json: a reader undercounts, never overcounts
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
         store.put_json(keys.state("learn", f"ledger-{self.commits:06d}.json"),

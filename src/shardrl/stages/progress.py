@@ -21,3 +21,9 @@ def shards_per_step(batch_prompts: int, prompts_per_shard: int, workers: int) ->
     """Rollout shards each worker must produce for one learner step."""
     shards = -(-batch_prompts // prompts_per_shard)
     return -(-shards // workers)
+
+
+def buffered_shards(store: Store, keys: RunKeys, worker: int) -> int:
+    """Shards of `worker` the learner has read but not yet committed (waiting for a batch)."""
+    key = keys.state("learn", "buffered.json")
+    return int(store.get_json(key).get(str(worker), 0)) if store.exists(key) else 0

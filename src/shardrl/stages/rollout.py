@@ -12,7 +12,7 @@ from ..store.shards import write_shard
 from ..tasks.source import make_task
 from .context import StageContext
 from .engine import PolicyEngine
-from .progress import read_progress, shards_per_step
+from .progress import buffered_shards, read_progress, shards_per_step
 
 MAX_EMPTY_SHARDS = 20
 """Rollout shards in a row whose every prompt was too long before the stage gives up."""
@@ -34,6 +34,7 @@ def main(ctx: StageContext) -> int:
             break
         progress = read_progress(store, keys)
         processed = int(progress.get("processed_by_worker", {}).get(str(ctx.worker), 0))
+        processed += buffered_shards(store, keys, ctx.worker)
         if not ctx.once and state["next_seq"] - processed >= backlog_cap:
             if not paused:
                 ctx.log.info("backlog of %d shards: pausing", state["next_seq"] - processed)
