@@ -130,17 +130,17 @@ def prepare_run(args) -> LocalRun:
 
 
 def run(args) -> int:
+    from .monitor import Monitor
+
     try:
         lr = prepare_run(args)
+        monitor = Monitor(lr, progress_bar=not args.no_progress)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     except StoreUnavailable as exc:
         print(f"shardrl run: {exc}", file=sys.stderr)
         return EXIT_STORE_UNAVAILABLE
-    from .monitor import Monitor
-
-    monitor = Monitor(lr, progress_bar=not args.no_progress)
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
     interrupted = False
 
