@@ -98,7 +98,7 @@ def test_samples_prints_the_requested_rows(tiny_run):
     assert len(rows) == 3 and all(r[0] == "0" for r in rows)
     rewards = [float(r[1]) for r in rows]
     assert rewards == sorted(rewards)
-    assert all(1 <= int(r[3]) <= 5 for r in rows)  # lengths within max_new_tokens
+    assert all(0 <= int(r[3]) <= 5 for r in rows)  # lengths within max_new_tokens
     res = run_cli(["samples", RUN, "--store", str(store), "-n", "2", "--best"], tmp)
     assert len(res.stdout.splitlines()) == 3 + 2
     missing = run_cli(["samples", RUN, "--store", str(store), "--version", "999"], tmp)

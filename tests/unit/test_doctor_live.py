@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from shardrl.config import RunConfig
 from shardrl.doctor import LiveDoctor, finding_tags, load_store_metrics, saved_findings
-from shardrl.doctor.series import reduce_points
+from shardrl.doctor.series import reduce_points, tolerant_config
 from shardrl.store import LocalStore, RunKeys, write_shard
 from shardrl.store.schemas import METRICS
 
@@ -63,3 +63,11 @@ def test_live_doctor_reports_each_symptom_once_and_survives_a_restart(tmp_path):
     tags = finding_tags(saved)
     assert tags["doctor.findings"] == "truncation,advantage"
     assert tags["doctor.advantage"].startswith("advantage explosion at step 7")
+
+
+def test_a_config_from_an_older_version_keeps_its_doctor_thresholds():
+    old = {"task": {"source": {"kind": "builtin", "name": "no-longer-a-task"}},
+           "doctor": {"window": 7}}
+    cfg = tolerant_config(old)
+    assert cfg.doctor.window == 7 and cfg.task == RunConfig().task
+    assert tolerant_config({"doctor": {"window": -1}}) == RunConfig()

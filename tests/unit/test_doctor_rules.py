@@ -60,7 +60,7 @@ def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
     s = base()
     # clip 0.05 + 0.03 i passes 0.3 from i = 9; kl_sum 1.25**i passes kl_high 10 from i = 11
     # (11.6), above the median before it and with median 1.25**13 = 18.2 over i = 11..15;
-    # entropy 1 - 0.04 i: mean over i = 11..15 is 0.48 < 0.8 x 0.8 (its mean over i < 11).
+    # entropy 1 - 0.04 i: 0.56 at i = 11 < 0.8 x 0.8 (its mean over i < 11).
     # (kl_mean stays 0.01 + 0.0005 i, below kl_mean_high 1: the kl_sum limit decides.)
     s["learn/kl_sum"] = 1.25 ** STEP
     s["learn/clip_frac"] = 0.05 + 0.03 * STEP

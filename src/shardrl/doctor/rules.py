@@ -6,9 +6,9 @@ once the series has `max(min_steps, 2w)` finite points, and counts only beyond `
 standard errors of that difference (small batches make noisy series). Rules other than the
 collapse rule look at finite values only; non-finite values are the collapse rule's evidence.
 
-  A  KL blow-up       at some step: clip_frac > clip_frac_high, KL above its limit (kl_mean >
-                      kl_mean_high or kl_sum > kl_high) and its past, staying there for w steps,
-                      and entropy over those steps entropy_drop below its mean before
+  A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below its
+                      mean before, KL above its limit (kl_mean > kl_mean_high or kl_sum >
+                      kl_high) and its past, and staying above the limit over the next w steps
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
@@ -86,10 +86,11 @@ def _aligned(*series: Series) -> tuple[np.ndarray, list[np.ndarray]]:
 def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
     """Symptom A: KL to the reference shoots up, with a high clip fraction and falling entropy.
 
-    Step i qualifies when clip_frac[i] > clip_frac_high; KL (kl_mean vs kl_mean_high, or
-    kl_sum vs kl_high) is above the limit at i, above its median before i, and its median
-    over [i, i+w) stays above the limit; and mean entropy over [i, i+w) is entropy_drop below
-    its mean before i. Blow-ups can take only a few steps, so this is judged step by step.
+    Step i qualifies when, at i, clip_frac > clip_frac_high, entropy is entropy_drop below its
+    mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above the limit
+    and above its median before i, with its median over [i, i+w) staying above the limit.
+    A blow-up can take a single step, and what follows it varies (a policy gone deterministic,
+    or one emitting high-entropy garbage), so the signals are read at the step itself.
     """
     d, w = cfg.doctor, cfg.doctor.window
     clip, ent = _finite(m, "learn/clip_frac"), _finite(m, "learn/entropy")
@@ -101,10 +102,10 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
             continue
         steps, (k, c, e) = _aligned(kl, clip, ent)
         for i in range(1, len(steps)):
-            after_kl, after_e = k[i:i + w], e[i:i + w]
+            after_kl = k[i:i + w]
             if (c[i] > d.clip_frac_high and k[i] > limit and k[i] > np.median(k[:i])
                     and np.median(after_kl) > limit
-                    and np.mean(after_e) < (1 - d.entropy_drop) * np.mean(e[:i])):
+                    and e[i] < (1 - d.entropy_drop) * np.mean(e[:i])):
                 end = min(i + w, len(steps))
                 ev = [
                     evidence(name, steps[:end], k[:end],
@@ -115,8 +116,8 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
                              f"{c[i]:.3g} at step {steps[i]} > clip_frac_high "
                              f"{d.clip_frac_high:g}"),
                     evidence(ent.name, steps[:end], e[:end],
-                             f"mean {np.mean(e[:i]):.3g} before step {steps[i]}, "
-                             f"{np.mean(after_e):.3g} from there"),
+                             f"{e[i]:.3g} at step {steps[i]}, down from a mean of "
+                             f"{np.mean(e[:i]):.3g} before"),
                 ]
                 return make_finding("A", "KL to the reference blows up with a high clip "
                                          "fraction and falling entropy", ev, cfg, int(steps[i]))
@@ -233,6 +234,21 @@ def level_shift(values: np.ndarray, w: int, factor: float, noise_z: float, direc
     return None
 
 
+def _min_change(m: Metrics, s: Series, d: DoctorConfig, unit: str) -> Callable[[int], float]:
+    """The smallest level change of `s` that counts at index i: shift_min of its level over
+    the w points before ('level'), or reward_drop times the reward std there ('reward')."""
+    w = d.window
+    if unit == "level":
+        return lambda i: d.shift_min * abs(float(np.mean(s.values[i - w:i])))
+    std = _finite(m, REWARD_STD)
+
+    def reward(i: int) -> float:
+        near = std.values[np.isin(std.steps, s.steps[i - w:i])] if std is not None else []
+        return d.reward_drop * (float(np.mean(near)) if len(near) else reward_scale(m))
+
+    return reward
+
+
 def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
     """Symptom E: non-finite values, skipped steps, or a sudden lasting shift in reward (down),
     KL (up) or response length (either way)."""
@@ -247,8 +263,7 @@ def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
     if skipped is not None and skipped.values[-1] > 0:
         ev.append(evidence(skipped.name, skipped.steps, skipped.values,
                            "steps skipped for a non-finite loss or gradient"))
-    reward_std = _finite(m, REWARD_STD)
-    # (metric, direction, smallest change at index i, level the new mean must pass): KL
+    # (metric, direction, unit of the smallest change, level the new mean must pass): KL
     # growing from ~0 early on is normal, so a KL shift counts only when it lands above kl_high
     checks = ((REWARD, -1, "reward", -np.inf), (KL_SUM, 1, "level", d.kl_high),
               (LENGTH, 0, "level", -np.inf))
@@ -256,15 +271,7 @@ def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
         s = _finite(m, name)
         if s is None:
             continue
-
-        def min_change(i: int, s: Series = s, unit: str = unit) -> float:
-            before = s.values[i - w:i]
-            if unit == "level":
-                return d.shift_min * abs(float(np.mean(before)))
-            std = reward_std.values[np.isin(reward_std.steps, s.steps[i - w:i])] \
-                if reward_std is not None else np.zeros(0)
-            return d.reward_drop * (float(np.mean(std)) if len(std) else reward_scale(m))
-
+        min_change = _min_change(m, s, d, unit)
         i = level_shift(s.values, w, d.spike_factor, d.noise_z, direction, min_change)
         if i is not None and np.mean(s.values[i:i + w]) > above:
             before, after = np.mean(s.values[i - w:i]), np.mean(s.values[i:i + w])

@@ -9,6 +9,7 @@ running counters. Non-finite values are kept: the collapse rule looks for them.
 from __future__ import annotations
 
 import io
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import yaml
 
 from ..config import RunConfig
 from ..store import RunKeys, Store, open_store
+
+log = logging.getLogger("shardrl.doctor")
 
 Point = tuple[str, int, float]
 """(name, step, value)"""
@@ -147,8 +150,19 @@ def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
         return None
     if not store.exists(keys.run_json()):
         return None
-    cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
-    return RunHandle(store, keys, cfg)
+    return RunHandle(store, keys, tolerant_config(store.get_json(keys.run_json())["config"]))
+
+
+def tolerant_config(data: dict) -> RunConfig:
+    """The run's config; for a config the current schema rejects (a run made by an older
+    version), the defaults with the run's doctor thresholds, or plain defaults."""
+    for candidate in (data, {"doctor": data.get("doctor", {})}, {}):
+        try:
+            return RunConfig.model_validate(candidate)
+        except ValueError as exc:
+            log.warning("run config does not validate (%s); falling back to defaults",
+                        " ".join(str(exc).split()[:24]))
+    raise AssertionError("the default config always validates")
 
 
 def mlflow_config(client, run_id: str) -> RunConfig:
@@ -162,10 +176,7 @@ def mlflow_config(client, run_id: str) -> RunConfig:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = _param_value(text)
-    try:
-        return RunConfig.model_validate(nested)
-    except ValueError:
-        return RunConfig.model_validate({"doctor": nested.get("doctor", {})})
+    return tolerant_config(nested)
 
 
 def _param_value(text: str):
