@@ -8,7 +8,6 @@ printed and merged under the key "algo" into bench/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -17,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from bench.results import RESULTS, merge_results
 from shardrl.algo import aggregate, policy_loss
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
 TARGET_RATIO = 1.05
 
 
@@ -147,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_ratio": TARGET_RATIO,
         "cases": rows,
     }
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    results["algo"] = summary
-    args.results.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    merge_results("algo", summary, args.results)
     return summary
 
 

@@ -13,7 +13,6 @@ are printed and merged under the key "store" into bench/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from bench.results import RESULTS, merge_results
 from shardrl.store import LocalStore, RunKeys, Store, read_shard, write_shard
 from shardrl.store.s3 import S3Store
 from shardrl.store.schemas import ROLLOUT
 from shardrl.store.shards import decode_shard, encode_shard
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results.json"
 TARGET_RATIO = 0.5
 VOCAB, ROWS, PROMPT_LEN, RESPONSE_LEN, GROUP = 32_000, 512, 256, 256, 8
 WORDS = ["the", "sum", "of", "7", "and", "12", "is", "19", "so", "answer", "we", "add", "carry"]
@@ -170,16 +169,12 @@ def main() -> None:
         with s3_store() as store:
             backends["s3"] = summarize("s3", measure(store, table, args.repeats), table.nbytes)
 
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results["store"] = {
+    merge_results("store", {
         "rows": ROWS, "prompt_tokens": PROMPT_LEN, "response_tokens": RESPONSE_LEN,
         "table_bytes": table.nbytes, "repeats": args.repeats, "target_ratio": TARGET_RATIO,
         "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2),
         "backends": backends,
-    }
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, RESULTS)
+    })
     print(f"merged under 'store' into {RESULTS.relative_to(ROOT)}")
 
 
