@@ -65,9 +65,9 @@ def test_live_doctor_reports_each_symptom_once_and_survives_a_restart(tmp_path):
     assert tags["doctor.advantage"].startswith("advantage explosion at step 7")
 
 
-def test_a_config_from_an_older_version_keeps_its_doctor_thresholds():
+def test_a_config_from_an_older_version_keeps_its_valid_sections():
     old = {"task": {"source": {"kind": "builtin", "name": "no-longer-a-task"}},
-           "doctor": {"window": 7}}
+           "doctor": {"window": 7}, "tracking": {"enabled": False}}
     cfg = tolerant_config(old)
-    assert cfg.doctor.window == 7 and cfg.task == RunConfig().task
+    assert cfg.doctor.window == 7 and not cfg.tracking.enabled and cfg.task == RunConfig().task
     assert tolerant_config({"doctor": {"window": -1}}) == RunConfig()

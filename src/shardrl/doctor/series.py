@@ -154,15 +154,21 @@ def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
 
 
 def tolerant_config(data: dict) -> RunConfig:
-    """The run's config; for a config the current schema rejects (a run made by an older
-    version), the defaults with the run's doctor thresholds, or plain defaults."""
-    for candidate in (data, {"doctor": data.get("doctor", {})}, {}):
+    """The run's config. One the current schema rejects (a run made by an older version)
+    keeps every section that still validates, so its tracking and doctor settings hold."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValueError as exc:
+        log.warning("run config does not validate (%s); its invalid sections fall back to "
+                    "defaults", " ".join(str(exc).split()[:24]))
+    kept: dict = {}
+    for key, value in data.items():
         try:
-            return RunConfig.model_validate(candidate)
-        except ValueError as exc:
-            log.warning("run config does not validate (%s); falling back to defaults",
-                        " ".join(str(exc).split()[:24]))
-    raise AssertionError("the default config always validates")
+            RunConfig.model_validate({**kept, key: value})
+        except ValueError:
+            continue
+        kept[key] = value
+    return RunConfig.model_validate(kept)
 
 
 def mlflow_config(client, run_id: str) -> RunConfig:
