@@ -29,10 +29,10 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _placeholder(path: Path, title: str, missing: str) -> Path:
+def _placeholder(path: Path, title: str, message: str) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.set_title(title)
-    ax.text(0.5, 0.5, f"no data: {missing}", ha="center", va="center", wrap=True)
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True)
     ax.set_axis_off()
     return _save(fig, path)
 
@@ -46,18 +46,20 @@ def _draw(ax, m: Metrics, lines: list[Line], style: str = "-", first_color: int 
 
 
 def line_plot(path: Path, m: Metrics, title: str, lines: list[Line], ylabel: str,
-              right: list[Line] = (), right_label: str = "", logy: bool = False,
-              hlines: list[tuple[float, str]] = ()) -> Path:
-    """Metric series against the policy version; `right` ones on a second y axis."""
+              right: tuple[Line, ...] = (), right_label: str = "",
+              symlog: float | None = None, hlines: tuple[tuple[float, str], ...] = ()) -> Path:
+    """Metric series against the policy version; `right` ones on a second y axis; `symlog`:
+    a log y axis, linear within +-symlog (values span decades and can be 0)."""
     if not any(m.get(n) is not None for n, _ in lines):
-        return _placeholder(path, title, ", ".join(n for n, _ in lines) + " not logged")
+        return _placeholder(path, title,
+                            "no data: " + ", ".join(n for n, _ in lines) + " not logged")
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     _draw(ax, m, lines)
     for y, label in hlines:
         ax.axhline(y, color="grey", ls=":", lw=1, label=label)
     ax.set(title=title, xlabel="policy version", ylabel=ylabel)
-    if logy:
-        ax.set_yscale("log")
+    if symlog is not None:
+        ax.set_yscale("symlog", linthresh=symlog)
     handles, labels = ax.get_legend_handles_labels()
     if right and any(m.get(n) is not None for n, _ in right):
         ax2 = ax.twinx()
@@ -74,7 +76,7 @@ def staleness_plot(path: Path, histogram: dict[int, int]) -> Path:
     """Bars: admitted samples by version lag (learner version - generating version)."""
     title = "Staleness of admitted samples"
     if not histogram:
-        return _placeholder(path, title, "the learner has not recorded a staleness histogram")
+        return _placeholder(path, title, "no data: the learner recorded no staleness histogram")
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     lags = sorted(histogram)
     ax.bar(lags, [histogram[k] for k in lags])
@@ -86,7 +88,7 @@ def pass_rate_distribution_plot(path: Path, rates: list[tuple[int, float]]) -> P
     """Histograms of per-prompt-group pass rates, early third vs last third of versions."""
     title = "Per-prompt pass-rate distribution (training groups)"
     if not rates:
-        return _placeholder(path, title, "no scored shards")
+        return _placeholder(path, title, "no data: no scored shards")
     versions = np.array([v for v, _ in rates])
     values = np.array([r for _, r in rates])
     lo, hi = np.quantile(versions, [1 / 3, 2 / 3])
@@ -141,23 +143,23 @@ def metric_plots(out: Path, m: Metrics, cfg: RunConfig) -> dict[str, Path]:
          "pass rate", {}),
         ("kl_beta.png", "KL to the reference, with beta", [
             ("learn/kl_sum", "kl_sum"), ("learn/kl_mean", "kl_mean")], "KL",
-         {"right": [("learn/beta", "beta")], "right_label": "beta"}),
+         {"right": (("learn/beta", "beta"),), "right_label": "beta", "symlog": 1e-4}),
         ("entropy.png", "Entropy", [("learn/entropy", "entropy (nats/token)")], "entropy", {}),
         ("clip_fraction.png", "Clip fraction", [("learn/clip_frac", "policy clip_frac"),
                                                 ("learn/vf_clip_frac", "value clip_frac")],
-         "fraction", {"hlines": [(d.clip_frac_high, "doctor: high")]}),
+         "fraction", {"hlines": ((d.clip_frac_high, "doctor: high"),)}),
         ("lengths.png", "Response length", [
             ("rollout/response_length_mean", "mean"), ("rollout/response_length_p50", "p50"),
             ("rollout/response_length_p90", "p90"), ("rollout/response_length_max", "max"),
             ("evaluate/mean_length", "held-out mean")], "tokens",
-         {"right": [("rollout/truncation_rate", "truncation rate")], "right_label": "rate"}),
+         {"right": (("rollout/truncation_rate", "truncation rate"),), "right_label": "rate"}),
         ("effective_sample_rate.png", "Effective sample rate",
          [("prepare/effective_sample_rate", "kept after filtering"),
           ("prepare/filter_rate", "filtered")], "fraction",
-         {"hlines": [(d.filter_rate_high, "doctor: filter rate high")]}),
+         {"hlines": ((d.filter_rate_high, "doctor: filter rate high"),)}),
         ("grad_norm.png", "Gradient norm (before clipping)", [("learn/grad_norm", "grad_norm")],
-         "norm", {"logy": True, "hlines": [(cfg.learner.grad_clip, "grad_clip")]
-                  if cfg.learner.grad_clip else []}),
+         "norm", {"symlog": 1e-2, "hlines": ((cfg.learner.grad_clip, "grad_clip"),)
+                  if cfg.learner.grad_clip else ()}),
     ]
     return {title: line_plot(out / name, m, title, lines, ylabel, **kw)
             for name, title, lines, ylabel, kw in specs}
