@@ -26,6 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from shardrl.orchestrate.local import restart_delay
 from shardrl.store import RunKeys, Store, open_store
 
 from .conftest import TINY
@@ -181,6 +182,11 @@ def test_within_noise_bound_by_hand():
     a, b = [0.0, 1.0, 1.0, 2.0], [1.0, 2.0, 2.0, 3.0]
     assert within_noise(a, b, z=2.0) and not within_noise(a, b, z=1.0)
     assert within_noise([0.0] * 8, [0.0] * 8) and not within_noise([0.0] * 8, [1.0] * 8)
+
+
+def test_restart_backoff_doubles_up_to_its_cap():
+    # 1 s before the first restart, doubling: 1, 2, 4, 8, 16, then 32 is capped at 30
+    assert [restart_delay(n) for n in range(7)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
 # -- the runs -------------------------------------------------------------------------------
