@@ -93,6 +93,9 @@ class Learner:
         self.buffer: list[tuple[str, pa.Table | None, str]] = []  # (key, table, outcome)
         self.busy_s = 0.0
         self.started = time.monotonic()
+        from ..doctor.live import LiveDoctor
+
+        self.doctor = LiveDoctor(cfg, store, keys)
 
     # -- admission --------------------------------------------------------------------------
     def k(self) -> int:
@@ -194,6 +197,9 @@ class Learner:
             skipped_steps=float(self.counts["skipped_steps"]),
         )
         self.ctx.metrics.log(self.version, metrics)
+        if applied and self.version % lc.doctor_every == 0:
+            self.ctx.metrics.flush()  # the doctor reads the store: include this step
+            self.doctor.check(self.version)
 
     def commit(self, stepped: bool) -> None:
         """Publish (if the step was applied) and record the buffer's shards in the ledger."""
