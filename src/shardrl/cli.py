@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--store", help="store URI overriding store.uri (folder or s3://bucket/prefix)")
     run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from the store")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    run.add_argument("--no-report", action="store_true",
+                     help="skip the closing report (plots, doctor findings)")
     _add_overrides(run)
 
     st = sub.add_parser("stage", help="run one stage (what a pod or the local runner executes)")

@@ -29,6 +29,8 @@ promote: {model_name: tiny-e2e}
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    if args[:1] == ["run"] and "--no-report" not in args:
+        args = [*args, "--no-report"]  # the closing report is tested on its own
     env = dict(os.environ, SHARDRL_CACHE=str(cwd / "cache"), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "shardrl.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout, **popen)

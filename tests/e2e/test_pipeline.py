@@ -66,7 +66,7 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
     env = dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     runner = subprocess.Popen(
         [sys.executable, "-m", "shardrl.cli", "run", str(tiny_config), "--store", str(store),
-         "--run-id", "k1", "--no-progress", "--set", "learner.total_steps=9",
+         "--run-id", "k1", "--no-progress", "--no-report", "--set", "learner.total_steps=9",
          "--set", "tracking.enabled=false"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = store / "runs" / "k1" / "state" / "learn" / "progress.json"

@@ -170,7 +170,13 @@ def run(args) -> int:
             print(f"promote failed (exit {code}): see {lr.log_dir / 'promote.log'}",
                   file=sys.stderr)
             return code if code == EXIT_STORE_UNAVAILABLE else 1
-        return monitor.summary()
+        code = monitor.summary()
+        if args.no_report:
+            return code
+        report = subprocess.run([sys.executable, "-m", "shardrl.cli", "report", lr.run_id,
+                                 "--store", lr.store_uri], capture_output=True, text=True)
+        print((report.stdout or report.stderr).strip())
+        return code
     except StoreUnavailable as exc:
         return store_down(lr, monitor, exc)
     finally:

@@ -74,8 +74,8 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started)
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
-    ctx.metrics.log(version, {k: v for k, v in summary.items()
-                              if isinstance(v, float) and k != "seconds"})
+    ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
+                              if isinstance(v, float) and k not in ("seconds", "temperature")})
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],
                  summary["mean_length"])
     return summary
