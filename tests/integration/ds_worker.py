@@ -6,7 +6,8 @@ gradient norms, weights after two steps), after resuming from a checkpoint of ei
 and whether a non-finite loss left the weights alone.
 
 usage: torchrun --nproc_per_node N ds_worker.py OUT_DIR VARIANT [VARIANT ...]
-(VARIANT: a ZeRO stage 1, 2 or 3, with "+offload" for optimizer offload)
+(VARIANT: a ZeRO stage 1, 2 or 3, with "+offload" for optimizer offload; or "critic":
+ZeRO-1 and ZeRO-3 training a critic too)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shardrl.config import load_config
 from shardrl.config.stages import DeepSpeedBackend, LearnerConfig
 from shardrl.learner_backends import OptimSettings, build_backend
 from shardrl.learner_backends.deepspeed_backend import DeepSpeedLearnerBackend
+from shardrl.models.heads import Critic
 from shardrl.stages.update import compute_loss
 
 LEARNER = LearnerConfig(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=0.5)
@@ -132,10 +134,40 @@ def check_variant(stage: str, table: pa.Table) -> dict:
     }
 
 
+def check_critic(stage: int, table: pa.Table) -> dict:
+    """A critic in the loss too: both parts' weights and state against torch. The critic's
+    value-head bias has one element, fewer than the ranks: padded partitions."""
+    ids, mask, start = torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.long), \
+        torch.tensor([2])
+    weights_after, states = {}, {}
+    ds_learner = LEARNER.model_copy(update={"backend": DeepSpeedBackend(zero_stage=stage)})
+    for name in ("torch", "deepspeed"):
+        lc = LEARNER if name == "torch" else ds_learner
+        backend = build_backend(lc, lm(), critic=Critic.from_causal_lm(lm()), critic_lr=1e-3)
+        loss, _, _ = compute_loss(CFG, backend.policy, table, 0, beta=0.0)
+        applied, _ = backend.step(loss + backend.critic(ids, mask, start).pow(2).sum())
+        assert applied
+        states[name] = backend.state_dict()
+        with backend.gathered():
+            weights_after[name] = {f"{part}.{k}": v.detach().float().cpu().clone()
+                                   for part, module in backend.parts.items()
+                                   for k, v in module.state_dict().items()}
+    fresh = build_backend(ds_learner, lm(), critic=Critic.from_causal_lm(lm()), critic_lr=1e-3)
+    fresh.load_state_dict(states["torch"])  # builds the lazy state first, then fills it
+    reloaded = fresh.state_dict()
+    return {"weight_diff": max_diff(weights_after["torch"], weights_after["deepspeed"]),
+            "state_diff": max_diff(states["torch"], states["deepspeed"]),
+            "reload_diff": max_diff(states["torch"], reloaded),
+            "critic_keys": sum(k.startswith("critic/") for k in reloaded)}
+
+
 def main() -> None:
     out, variants = Path(sys.argv[1]), sys.argv[2:]
     table = batch()
-    results = {variant: check_variant(variant, table) for variant in variants}
+    results = {variant: check_variant(variant, table) for variant in variants
+               if not variant.startswith("critic")}
+    if "critic" in variants:
+        results["critic"] = {str(stage): check_critic(stage, table) for stage in (1, 3)}
     out.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank()
     (out / f"result-{rank}.json").write_text(json.dumps(results, indent=1))

@@ -81,6 +81,22 @@ def ds_config(cfg: DeepSpeedBackend, grad_clip: float | None,
     }
 
 
+def _set_zero3_state(param: nn.Parameter, value: Tensor, slot: str) -> None:
+    """This rank's part of a full optimizer-state tensor, for a ZeRO-3 parameter.
+
+    `safe_set_full_optimizer_state` slices the unpadded value, so under ZeRO-3 it fails for
+    a parameter whose size is not a multiple of the number of ranks (the last partition is
+    padded); this pads the value to whole partitions first.
+    """
+    opt = param._z3_optimizer
+    part, _ = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False,
+                                                 optim_state_key=slot)
+    size, rank = part.numel(), opt._get_param_partition_rank(param)
+    padded = torch.zeros(size * dist.get_world_size(), dtype=part.dtype, device=part.device)
+    padded[: value.numel()] = value.flatten()
+    part.data.copy_(padded.narrow(0, size * rank, size))
+
+
 class _Parts(nn.Module):
     """The trainable modules under one root, as DeepSpeed wants a single model."""
 
@@ -159,6 +175,17 @@ class DeepSpeedLearnerBackend:
         inner = self.optimizer.optimizer
         return [s for s in inner.state.values() if s]
 
+    def _link_fragments(self) -> None:
+        """Point every ZeRO-1/2 parameter's fragment at the optimizer state.
+
+        DeepSpeed links them once, right after the first parameter group's first step, when
+        the later groups (the critic's) have no state yet; the `safe_*_full_optimizer_state`
+        calls then miss those groups. Linking again after the state exists fixes that.
+        """
+        if not self.zero3:
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+
     def state_dict(self) -> dict[str, Tensor]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
@@ -169,6 +196,7 @@ class DeepSpeedLearnerBackend:
         state: dict[str, Tensor] = {STEP_KEY: torch.tensor(float(steps.item()))}
         if steps.item() == 0:
             return state
+        self._link_fragments()
         for part, module in self.parts.items():
             for name, param in module.named_parameters():
                 for slot in MOMENTS:
@@ -200,6 +228,7 @@ class DeepSpeedLearnerBackend:
             return
         if not self._all_ranks_true(bool(self._inner_states())):
             self._materialize_state()
+        self._link_fragments()
         missing = []
         for part, module in self.parts.items():
             for name, param in module.named_parameters():
@@ -208,7 +237,11 @@ class DeepSpeedLearnerBackend:
                     if key not in state:
                         missing.append(key)
                         continue
-                    safe_set_full_optimizer_state(param, state[key].to(self.device), slot)
+                    value = state[key].to(self.device)
+                    if self.zero3:
+                        _set_zero3_state(param, value, slot)
+                    else:
+                        safe_set_full_optimizer_state(param, value, slot)
         if missing:
             raise KeyError(f"optimizer state lacks {len(missing)} entries, e.g. {missing[:3]}")
         for slots in self._inner_states():
