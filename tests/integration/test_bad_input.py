@@ -208,13 +208,17 @@ def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
     store, cfg, run_id, _ = run
     ctx = context(store, cfg, run_id, "rollout")
     engine = PolicyEngine(ctx, 0)
-    assert engine.context == 64  # TinyModel.max_position_embeddings
+    window = cfg.model.source.max_position_embeddings
+    assert engine.context == window
     items = make_task(cfg).train_items(0, 0, 2)
-    long = TaskItem("long", "1+" * 40 + "=", "41", "default")
+    assert all(len(it.prompt) + 1 + cfg.rollout.max_new_tokens <= window for it in items)
+    long = TaskItem("long", "ab" * 40 + "=", "41", "default")
     assert _fitting(ctx, engine, [items[0], long, items[1]], seq=7) == items
     record = store.get_json(ctx.keys.quarantine("rollout", ctx.keys.root + "prompts/w00-000007.json"))
-    # one token per character plus <s>: 81 + 1 = 82 prompt tokens; 82 + 5 new tokens > 64
-    assert record["reason"] == "prompt_too_long"
+    # one token per character (unknown ones too) plus <s>: 81 + 1 = 82 prompt tokens, which
+    # with max_new_tokens exceed the context
+    assert 82 + cfg.rollout.max_new_tokens > window
+    assert record["reason"] == "prompt_too_long" and record["context"] == window
     assert record["prompts"] == [{"prompt_id": "long", "prompt_tokens": 82}]
 
 
