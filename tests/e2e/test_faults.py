@@ -62,7 +62,7 @@ def start_runner(tmp_path: Path, args: list[str], name: str,
 def run_args(config: Path, store: str, run_id: str, *settings: str) -> list[str]:
     """Arguments of `shardrl run` for the fault runs."""
     return ["run", str(config), "--store", store, "--run-id", run_id, "--no-progress",
-            *(x for s in (*SETTINGS, *settings) for x in ("--set", s))]
+            "--no-report", *(x for s in (*SETTINGS, *settings) for x in ("--set", s))]
 
 
 def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> str:

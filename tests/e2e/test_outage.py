@@ -95,7 +95,8 @@ def test_outages_short_ridden_out_long_fails_clearly_and_resumes(tmp_path, serve
     server.start()
     assert not store.exists(RunKeys(run_id).done())
     proc, out = start_runner(tmp_path, ["run", "--resume", run_id, "--store", uri,
-                                        "--no-progress"], run_id + "-resumed", env=s3_env(server))
+                                        "--no-progress", "--no-report"], run_id + "-resumed",
+                             env=s3_env(server))
     text = finish(proc, out)
     assert proc.returncode == 0, text[-4000:]
     check_completed(store, run_id, STEPS)

@@ -47,7 +47,7 @@ def test_resume_after_the_runner_was_killed(tmp_path):
     assert not store.exists(RunKeys(run_id).done())
 
     proc, out = start_runner(tmp_path, ["run", "--resume", run_id, "--store", store_path,
-                                        "--no-progress"], "second")
+                                        "--no-progress", "--no-report"], "second")
     text = finish(proc, out)
     assert proc.returncode == 0, text[-4000:]
     assert "snapshot" not in text  # the snapshot is not built again
