@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pyarrow as pa
 import torch
@@ -17,11 +15,11 @@ from ..algo import (
     zero_variance_keep,
 )
 from ..store.schemas import READY, SCORED
-from ..store.shards import read_or_quarantine, read_shard, write_shard
+from ..store.shards import read_shard, write_shard
 from .batch import padded_column
 from .context import StageContext
 from .progress import read_progress
-from .scan import Scanner, output_names, shard_name
+from .scan import Scanner, output_names, process_shards, shard_name
 
 STATE = "state.json"
 RECENT = 4096  # merged shard names remembered for exact recovery after a crash
@@ -33,22 +31,13 @@ def main(ctx: StageContext) -> int:
     scanner = Scanner(store, keys, "prepare", "scored", cfg.rollout.workers,
                       output_names(store, keys, "ready"))
     prep.recover(scanner.low, ctx.latest_version() or 0)
-    while True:
-        finished = ctx.done()
-        newest = ctx.latest_version()
-        todo = scanner.poll(newest) if newest is not None else []
-        for key in todo:
-            table = read_or_quarantine(store, key, SCORED, "prepare")
-            if table is None:
-                ctx.log.warning("quarantined %s", key)
-                continue
-            ready = prep.prepare(table)
-            write_shard(store, keys.ready_for(key), ready, READY)
-            prep.merged(shard_name(key), ready)
-        if finished or (ctx.once and not todo):
-            return 0
-        if not todo:
-            time.sleep(cfg.prepare.poll_interval_s)
+
+    def handle(key: str, table: pa.Table) -> None:
+        ready = prep.prepare(table)
+        write_shard(store, keys.ready_for(key), ready, READY)
+        prep.merged(shard_name(key), ready)
+
+    return process_shards(ctx, scanner, SCORED, handle, cfg.prepare.poll_interval_s)
 
 
 class Preparer:

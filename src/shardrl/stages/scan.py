@@ -9,7 +9,10 @@ as its cursor (`state/<stage>/cursor.json`), so downstream stages and restarts s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+
+import pyarrow as pa
 
 from ..store import RunKeys, Store
 from ..store.keys import ShardKind
@@ -90,3 +93,26 @@ def output_names(store: Store, keys: RunKeys, kind: ShardKind) -> Callable[[int]
         return names
 
     return handled
+
+
+def process_shards(ctx, scanner: Scanner, schema: pa.Schema,
+                   handle: Callable[[str, pa.Table], None], poll_interval_s: float) -> int:
+    """The loop of a shard-to-shard stage: read each new input (quarantining what cannot be
+    read), `handle(key, table)` it, and stop once DONE.json exists (or after one round with
+    `--once`)."""
+    from ..store.shards import read_or_quarantine
+
+    while True:
+        finished = ctx.done()
+        newest = ctx.latest_version()
+        todo = scanner.poll(newest) if newest is not None else []
+        for key in todo:
+            table = read_or_quarantine(ctx.store, key, schema, scanner.stage)
+            if table is None:
+                ctx.log.warning("quarantined %s", key)
+                continue
+            handle(key, table)
+        if finished or (ctx.once and not todo):
+            return 0
+        if not todo:
+            time.sleep(poll_interval_s)

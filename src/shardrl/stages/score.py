@@ -9,11 +9,11 @@ import pyarrow as pa
 import torch
 
 from ..store.schemas import ROLLOUT, SCORED
-from ..store.shards import read_or_quarantine, write_shard
+from ..store.shards import write_shard
 from ..tasks.source import make_task
 from .batch import build_batch, unpad
 from .context import StageContext
-from .scan import Scanner, output_names
+from .scan import Scanner, output_names, process_shards
 
 
 def main(ctx: StageContext) -> int:
@@ -21,20 +21,11 @@ def main(ctx: StageContext) -> int:
     scorer = Scorer(ctx)
     scanner = Scanner(store, keys, "score", "rollouts", cfg.rollout.workers,
                       output_names(store, keys, "scored"))
-    while True:
-        finished = ctx.done()
-        newest = ctx.latest_version()
-        todo = scanner.poll(newest) if newest is not None else []
-        for key in todo:
-            table = read_or_quarantine(store, key, ROLLOUT, "score")
-            if table is None:
-                ctx.log.warning("quarantined %s", key)
-                continue
-            write_shard(store, keys.scored_for(key), scorer.score(table), SCORED)
-        if finished or (ctx.once and not todo):
-            return 0
-        if not todo:
-            time.sleep(cfg.score.poll_interval_s)
+
+    def handle(key: str, table: pa.Table) -> None:
+        write_shard(store, keys.scored_for(key), scorer.score(table), SCORED)
+
+    return process_shards(ctx, scanner, ROLLOUT, handle, cfg.score.poll_interval_s)
 
 
 class Scorer:

@@ -61,30 +61,18 @@ def verify(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer else 0.0
 
 
-@dataclass(frozen=True)
-class BuiltinTask:
-    """Addition of numbers with up to `max_digits` digits; see the module docstring."""
+class SplitTask:
+    """Splits, streams and the checker shared by the built-in tasks; a task supplies
+    `_draw(rng) -> TaskItem`, one random item of the whole prompt space."""
 
-    name: str = "addition"
-    max_digits: int = 3
-
-    def make_item(self, a: int, b: int) -> TaskItem:
-        """The item for `a + b`; its id is a short hash of the prompt text."""
-        prompt = f"{a}+{b}="
-        prompt_id = hashlib.blake2b(prompt.encode(), digest_size=6).hexdigest()
-        return TaskItem(prompt_id=prompt_id, prompt=prompt, answer=str(a + b),
-                        category=f"carries_{count_carries(a, b)}")
-
-    def _operand(self, rng: random.Random) -> int:
-        digits = rng.randint(1, self.max_digits)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return rng.randint(low, 10**digits - 1)
+    def _draw(self, rng: random.Random) -> TaskItem:
+        raise NotImplementedError
 
     def _stream(self, split: str, seed: int) -> Iterator[TaskItem]:
         """Endless items of one split, drawn with `random.Random(seed)` (repeats possible)."""
         rng = random.Random(seed)
         while True:
-            item = self.make_item(self._operand(rng), self._operand(rng))
+            item = self._draw(rng)
             if split_of(item.prompt) == split:
                 yield item
 
@@ -118,3 +106,26 @@ class BuiltinTask:
     def verify(self, response: str, answer: str) -> float:
         """See `verify`."""
         return verify(response, answer)
+
+
+@dataclass(frozen=True)
+class BuiltinTask(SplitTask):
+    """Addition of numbers with up to `max_digits` digits; see the module docstring."""
+
+    name: str = "addition"
+    max_digits: int = 3
+
+    def make_item(self, a: int, b: int) -> TaskItem:
+        """The item for `a + b`; its id is a short hash of the prompt text."""
+        prompt = f"{a}+{b}="
+        prompt_id = hashlib.blake2b(prompt.encode(), digest_size=6).hexdigest()
+        return TaskItem(prompt_id=prompt_id, prompt=prompt, answer=str(a + b),
+                        category=f"carries_{count_carries(a, b)}")
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.max_digits)
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return rng.randint(low, 10**digits - 1)
+
+    def _draw(self, rng: random.Random) -> TaskItem:
+        return self.make_item(self._operand(rng), self._operand(rng))

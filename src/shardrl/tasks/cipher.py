@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .builtin import HELDOUT_SEED, VALIDATION_SEED, TaskItem, split_of
+from .builtin import SplitTask, TaskItem
 
 ALPHABET = "abcdefghij"
 
@@ -27,13 +26,8 @@ def shift(word: str) -> str:
     return "".join(ALPHABET[(ALPHABET.index(c) + 1) % len(ALPHABET)] for c in word)
 
 
-def verify(response: str, answer: str) -> float:
-    """1.0 when the response (surrounding whitespace ignored) is exactly the answer, else 0.0."""
-    return 1.0 if response.strip() == answer else 0.0
-
-
 @dataclass(frozen=True)
-class CipherTask:
+class CipherTask(SplitTask):
     """Letter-shift cipher over words of `min_len`..`max_len` letters."""
 
     name: str = "cipher"
@@ -46,41 +40,9 @@ class CipherTask:
         return TaskItem(prompt_id=prompt_id, prompt=prompt, answer=shift(word),
                         category=f"len_{len(word)}")
 
-    def _stream(self, split: str, seed: int) -> Iterator[TaskItem]:
-        rng = random.Random(seed)
-        while True:
-            n = rng.randint(self.min_len, self.max_len)
-            item = self.make_item("".join(rng.choice(ALPHABET) for _ in range(n)))
-            if split_of(item.prompt) == split:
-                yield item
-
-    def _distinct(self, split: str, n: int, seed: int) -> list[TaskItem]:
-        seen: dict[str, TaskItem] = {}
-        for item in self._stream(split, seed):
-            if len(seen) == n:
-                break
-            seen.setdefault(item.prompt, item)
-        return list(seen.values())
-
-    def train_prompts(self, seed: int) -> Iterator[TaskItem]:
-        """An endless stream of fresh training prompts (never held-out or validation ones)."""
-        return self._stream("train", seed)
-
-    def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
-        """`n` distinct (prompt, answer) pairs from the training split, for SFT."""
-        return [(it.prompt, it.answer) for it in self._distinct("train", n, seed + 7_919)]
-
-    def heldout(self, n: int) -> list[TaskItem]:
-        """The first `n` items of the fixed held-out split."""
-        return self._distinct("heldout", n, HELDOUT_SEED)
-
-    def validation(self, n: int) -> list[TaskItem]:
-        """The first `n` items of the fixed validation split."""
-        return self._distinct("validation", n, VALIDATION_SEED)
-
-    def verify(self, response: str, answer: str) -> float:
-        """See `verify`."""
-        return verify(response, answer)
+    def _draw(self, rng: random.Random) -> TaskItem:
+        n = rng.randint(self.min_len, self.max_len)
+        return self.make_item("".join(rng.choice(ALPHABET) for _ in range(n)))
 
 
 def with_slips(pairs: list[tuple[str, str]], rate: float, seed: int) -> list[tuple[str, str]]:
