@@ -14,7 +14,6 @@ import pytest
 
 from .conftest import learner_metric, run_cli, summary
 
-pytestmark = pytest.mark.slow
 
 
 def _ledger_keys(store: Path, run_id: str) -> list[str]:

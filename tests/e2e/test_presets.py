@@ -10,7 +10,6 @@ import torch
 
 from .conftest import TINY, learner_metric, run_cli, summary
 
-pytestmark = pytest.mark.slow
 
 
 def _preset(name: str) -> str:
