@@ -10,10 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from .conftest import learner_metric, run_cli, summary
-
 
 
 def _ledger_keys(store: Path, run_id: str) -> list[str]:

@@ -11,7 +11,6 @@ import torch
 from .conftest import TINY, learner_metric, run_cli, summary
 
 
-
 def _preset(name: str) -> str:
     return TINY.replace("extends: demo", f"extends: {name}")
 
