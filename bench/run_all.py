@@ -17,7 +17,7 @@ BENCHES = [
 
 def table() -> str:
     r = json.loads(RESULTS.read_text())
-    lines = ["# Benchmark results", "", f"machine: {json.dumps(next(iter(r.values())).get('machine', {}))}",
+    lines = ["# Benchmark results", "", f"machine: {json.dumps(next((v['machine'] for v in r.values() if 'machine' in v), {}))}",
              "", "| benchmark | figure | value |", "|---|---|---|"]
     if "algo" in r:
         for name, case in r["algo"]["cases"].items():
