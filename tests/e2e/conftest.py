@@ -56,3 +56,18 @@ def learner_metric(store: Path, run_id: str, name: str) -> list[float]:
         values += [v for n, v in zip(t.column("name").to_pylist(), t.column("value").to_pylist(),
                                      strict=True) if n == f"learn/{name}"]
     return values
+
+
+def stage_pids(name: str, run_id: str) -> list[int]:
+    """Processes running `shardrl stage NAME ... --run-id RUN_ID`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"stage" in cmd and name.encode() in cmd and run_id.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids

@@ -29,7 +29,7 @@ import pytest
 from shardrl.orchestrate.local import restart_delay
 from shardrl.store import RunKeys, Store, open_store
 
-from .conftest import TINY
+from .conftest import TINY, stage_pids
 
 pytestmark = pytest.mark.slow
 
@@ -84,21 +84,6 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, poll: f
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def stage_pids(name: str, run_id: str) -> list[int]:
-    """Processes running `shardrl stage NAME ... --run-id RUN_ID`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"stage" in cmd and name.encode() in cmd and run_id.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
 
 
 def progress(store: Store, run_id: str) -> dict:

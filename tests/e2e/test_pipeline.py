@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import learner_metric, run_cli, summary
+from .conftest import learner_metric, run_cli, stage_pids, summary
 
 
 def _ledger_keys(store: Path, run_id: str) -> list[str]:
@@ -71,7 +71,10 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
         if progress.exists() and json.loads(progress.read_text())["version"] >= 3:
             break
         time.sleep(0.2)
-    killed = _kill_stage("learn", "k1")
+    pids = stage_pids("learn", "k1")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    killed = bool(pids)
     out, _ = runner.communicate(timeout=500)
     assert killed, "the learner process was not found"
     assert runner.returncode == 0, out[-4000:]
@@ -84,17 +87,3 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
                 for f in sorted((store / "runs" / "k1" / "state" / "learn").glob("ledger-*.json"))]
     assert versions == sorted(versions) and versions[-1] == 9
     assert sorted(set(versions)) == list(range(versions[0], 10))  # continuous, none skipped
-
-
-def _kill_stage(name: str, run_id: str) -> bool:
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"stage" in cmd and name.encode() in cmd and run_id.encode() in cmd:
-            os.kill(int(proc.name), signal.SIGKILL)
-            return True
-    return False
