@@ -9,7 +9,6 @@ version it points to, so a reader never sees a half-published model.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -99,7 +98,3 @@ def load_reference(store: Store, keys: RunKeys, cache: Path, dtype=torch.float32
     """(model, tokenizer) of the frozen reference."""
     folder = download_folder(store, keys.ref_prefix(), cache / "ref")
     return load_causal_lm(folder, dtype=dtype), load_tokenizer(folder)
-
-
-def manifest_json(manifest: dict[str, str]) -> str:
-    return json.dumps(manifest, sort_keys=True)
