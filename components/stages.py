@@ -21,12 +21,13 @@ _WORKER_DOC = """
         worker: Replica index, 0-based, out of the stage's replicas."""
 
 
-def stage_component(name: str, image: str, *, workers: int = 1,
-                    once: bool = False) -> BaseComponent:
+def stage_component(name: str, image: str, *, workers: int = 1, once: bool = False,
+                    ranks: int = 1) -> BaseComponent:
     """The container component of stage `name` running in `image`.
 
     With `workers > 1` the component takes a `worker` input (the replica index) and passes
-    `--worker/--workers` like the local runner; `once` adds `--once` (one synchronous round).
+    `--worker/--workers` like the local runner; `once` adds `--once` (one synchronous round);
+    `ranks > 1` starts the replica as that many processes under `torchrun`.
     """
     spec = stage(name)
     if workers < 1:
@@ -36,12 +37,12 @@ def stage_component(name: str, image: str, *, workers: int = 1,
         def component(config: str, run_id: str, store: str, worker: int) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
                 name, config=config, run_id=run_id, store=store, worker=worker,
-                workers=workers, once=once))
+                workers=workers, once=once, ranks=ranks))
         args_doc = _ARGS_DOC + _WORKER_DOC
     else:
         def component(config: str, run_id: str, store: str) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
-                name, config=config, run_id=run_id, store=store, once=once))
+                name, config=config, run_id=run_id, store=store, once=once, ranks=ranks))
         args_doc = _ARGS_DOC
 
     mode = "one synchronous round" if once else ("until DONE.json" if spec.loops else "once")

@@ -112,6 +112,19 @@ def test_every_stage_runs_its_graph_entrypoint_in_its_image(compiled):
                 "config", "pipelinechannel--config")
 
 
+def test_multi_rank_learner_runs_under_torchrun(tmp_path):
+    cfg = load_config("demo", [*OVERRIDES, "learner.backend.kind=deepspeed",
+                               "learner.backend.ranks=2", "pipeline.resources.learn.gpus=2"])
+    paths = compile_pipelines(cfg, tmp_path, registry=REGISTRY)
+    _, tasks = load_compiled(paths["shardrl"])
+    command = list(tasks["learn"].container.command)
+    assert command[:6] == ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "shardrl.cli",
+                           "stage"]
+    assert tasks["learn"].container.image == image_ref(STAGE_IMAGES["deepspeed"], REGISTRY)
+    assert tasks["learn"].container.resources.accelerator.resource_count == "2"
+    assert list(tasks["rollout"].container.command)[0] == "shardrl"
+
+
 def test_hand_written_commands_and_images(compiled):
     _, pipelines = compiled
     tasks = pipelines["shardrl"][1]

@@ -89,6 +89,15 @@ def test_vllm_needs_gpu_resources():
     assert "pipeline.resources.rollout.gpus" in err.message
 
 
+def test_learner_ranks_cannot_exceed_its_gpus():
+    (err,) = _errors({"learner": {"backend": {"kind": "deepspeed", "ranks": 4}},
+                      "pipeline": {"resources": {"learn": {"gpus": 2}}}})
+    assert "pipeline.resources.learn.gpus: 4" in err.message
+    # on CPU (no GPUs requested) any number of ranks is allowed
+    cfg = validate({"learner": {"backend": {"kind": "deepspeed", "ranks": 4}}})
+    assert cfg.learner.backend.ranks == 4
+
+
 def test_extends_file_and_overrides(tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text("extends: demo\nlearner: {lr: 0.002}\n")

@@ -64,6 +64,13 @@ class RunConfig(Section):
                 "rollout engine 'vllm' needs a GPU: set `pipeline.resources.rollout.gpus: 1` "
                 "or `rollout.engine: hf`"
             )
+        backend, learn_gpus = self.learner.backend, self.pipeline.resources.learn.gpus
+        if backend.kind == "deepspeed" and 0 < learn_gpus < backend.ranks:
+            errors.append(
+                f"`learner.backend.ranks` ({backend.ranks}) exceeds the learner's GPUs "
+                f"({learn_gpus}): one rank per GPU, so set `pipeline.resources.learn.gpus: "
+                f"{backend.ranks}` or fewer ranks"
+            )
         if self.algo.critic is not None and self.algo.advantages.estimator != "gae":
             errors.append(
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "

@@ -68,6 +68,8 @@ class DeepSpeedBackend(Section):
     """Keep optimizer state in CPU memory."""
     bf16: bool = False
     """bfloat16 training (GPU)."""
+    ranks: int = Field(1, ge=1, le=1024)
+    """Learner processes, started by `torchrun` (one per GPU on a GPU node)."""
 
 
 LearnerBackend = Annotated[TorchBackend | DeepSpeedBackend, Field(discriminator="kind")]

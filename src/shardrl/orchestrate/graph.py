@@ -27,6 +27,11 @@ class StageSpec:
         """Number of parallel workers of this stage."""
         return cfg.rollout.workers if self.name == "rollout" else 1
 
+    def ranks(self, cfg: RunConfig) -> int:
+        """Processes of one replica: the learner's DeepSpeed ranks under torchrun, else 1."""
+        backend = cfg.learner.backend
+        return backend.ranks if self.name == "learn" and backend.kind == "deepspeed" else 1
+
     def image(self, cfg: RunConfig) -> Image:
         """Which image runs this stage."""
         if self.name == "rollout" and cfg.rollout.engine == "vllm":
@@ -75,10 +80,16 @@ def stage(name: str) -> StageSpec:
 
 
 def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
-               worker: int = 0, workers: int = 1, once: bool = False) -> list[str]:
-    """The command line that runs one replica of a stage (same in a pod and locally)."""
+               worker: int = 0, workers: int = 1, once: bool = False, ranks: int = 1) -> list[str]:
+    """The command line that runs one replica of a stage (same in a pod and locally).
+
+    With `ranks > 1` the replica is `ranks` processes on one node, started by `torchrun`.
+    """
     stage(name)
-    cmd = ["shardrl", "stage", name, "--config", config, "--run-id", run_id]
+    launcher = ["shardrl"]
+    if ranks > 1:
+        launcher = ["torchrun", "--standalone", f"--nproc_per_node={ranks}", "-m", "shardrl.cli"]
+    cmd = [*launcher, "stage", name, "--config", config, "--run-id", run_id]
     if store is not None:
         cmd += ["--store", store]
     if workers > 1:

@@ -75,8 +75,11 @@ class LocalRun:
     def command(self, name: str, worker: int) -> list[str]:
         spec = stage(name)
         argv = entrypoint(name, config=str(self.config_path), run_id=self.run_id,
-                          store=self.store_uri, worker=worker, workers=spec.replicas(self.cfg))
-        return [sys.executable, "-m", "shardrl.cli", *argv[1:]]
+                          store=self.store_uri, worker=worker, workers=spec.replicas(self.cfg),
+                          ranks=spec.ranks(self.cfg))
+        # this interpreter runs the console scripts, so the venv need not be on PATH
+        module = {"shardrl": "shardrl.cli", "torchrun": "torch.distributed.run"}[argv[0]]
+        return [sys.executable, "-m", module, *argv[1:]]
 
     def start(self, name: str, worker: int = 0) -> Proc:
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")

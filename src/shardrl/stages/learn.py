@@ -5,6 +5,13 @@ the new version, the ledger delta (which shards this commit consumed or dropped)
 optimizer checkpoint when due, `state/learn/progress.json` (the learner's resumable state and
 the commit point), then `policy/LATEST.json`. A restarted learner resumes from progress.json:
 versions stay continuous and no shard is consumed twice.
+
+Under `torchrun` (DeepSpeed with `learner.backend.ranks > 1`) rank 0 is the leader: it alone
+lists, admits, logs and writes to the store. Before each update it broadcasts the step's plan
+(the shards that make the batch, the version, the KL coefficient); the other ranks read those
+shards, compute the same loss and join every collective of the step (the update, gathering
+ZeRO-3 weights for publishing, the optimizer checkpoint) in the same order. An empty plan
+tells them the run is over.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from ..learner_backends import build_backend
 from ..models.io import state_dict_bytes
 from ..store import parse_shard_key
 from ..store.schemas import READY
-from ..store.shards import read_or_quarantine
+from ..store.shards import read_or_quarantine, read_shard
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context import StageContext
 from .policy import fetch_weights, load_policy, point_latest, publish_weights
@@ -39,7 +46,8 @@ FILTERED_LIMIT = 8
 
 
 def main(ctx: StageContext) -> int:
-    return Learner(ctx).run()
+    learner = Learner(ctx)
+    return learner.run() if learner.leader else learner.follow()
 
 
 class Learner:
@@ -78,16 +86,19 @@ class Learner:
                 critic.load_state_dict(st_load(data))
         self.backend = build_backend(cfg.learner, self.model, critic=critic,
                                      critic_lr=cfg.algo.critic.lr if critic is not None else None)
-        if self.backend.world_size > 1:
-            raise NotImplementedError(
-                "the learner loop runs on one rank: set `learner.backend` to one process "
-                "(no torchrun) until rank 0 shares its batches with the other ranks")
+        self.leader = self.backend.rank == 0
+        self.in_step = False
+        """True while the ranks are inside one step's collectives (see `run`)."""
         if self.version > 0:
-            if ckpt is not None:
+            if ckpt is not None:  # every rank loads its partition (a collective call)
                 data = store.get_bytes(keys.learner_file(ckpt, f"{BACKEND_STATE}.safetensors"))
                 self.backend.load_state_dict(st_load(data))
             ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
-            point_latest(store, keys, self.version, {"step": self.version})
+            if self.leader:
+                point_latest(store, keys, self.version, {"step": self.version})
+        if self.backend.world_size > 1:
+            ctx.log.info("rank %d of %d%s", self.backend.rank, self.backend.world_size,
+                         " (leader)" if self.leader else "")
         self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
                                lambda v: set(self.ledger.get(v, ())))
         self.buffer: list[tuple[str, pa.Table | None, str]] = []  # (key, table, outcome)
@@ -136,6 +147,26 @@ class Learner:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
+        """The leader's loop; the other ranks `follow`."""
+        try:
+            return self._lead()
+        finally:
+            # stop the followers, unless they are inside a collective this rank left by an
+            # error: then this rank's exit ends the whole torchrun world
+            if self.backend.world_size > 1 and not self.in_step:
+                self.backend.broadcast_json(None)
+
+    def follow(self) -> int:
+        """A non-leader rank: run each step the leader broadcasts, until the empty plan."""
+        while (plan := self.backend.broadcast_json(None)) is not None:
+            tables = [read_shard(self.ctx.store, key, READY) for key in plan["shards"]]
+            table = pa.concat_tables(tables)
+            self.version = int(plan["version"])
+            applied, _ = self.update(table.filter(table.column("keep")), float(plan["beta"]))
+            self.sync(applied)
+        return 0
+
+    def _lead(self) -> int:
         ctx, lc = self.ctx, self.cfg.learner
         while self.version < lc.total_steps:
             buffered = {k for k, _, _ in self.buffer}
@@ -166,25 +197,22 @@ class Learner:
         table = pa.concat_tables(admitted)
         kept = table.filter(table.column("keep"))
         lag = self.version - pc.min(table.column("policy_version")).as_py()
-        applied, metrics = False, {}
-        if len(kept):
-            scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
-                                total_steps=lc.total_steps, kind=lc.schedule,
-                                min_ratio=lc.min_lr_ratio)
-            self.backend.set_lr("policy", lc.lr * scale)
-            loss, m, _ = compute_loss(cfg, self.backend.policy, kept, self.pad_id, self.kl.beta,
-                                      self.backend.critic)
-            applied, grad_norm = self.backend.step(loss)
-            metrics = {k: float(v) for k, v in m.items()}
-            metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
-            if applied and "kl_sum" in metrics:
-                self.kl.update(metrics["kl_sum"], len(kept))
+        self.in_step = True
+        if self.backend.world_size > 1:
+            self.backend.broadcast_json({
+                "version": self.version, "beta": self.kl.beta,
+                "shards": [key for key, _, outcome in self.buffer if outcome == "admitted"],
+            })
+        applied, metrics = self.update(kept, self.kl.beta)
+        if applied and "kl_sum" in metrics:
+            self.kl.update(metrics["kl_sum"], len(kept))
         if not applied:
             self.counts["skipped_steps"] += int(len(kept) > 0)
         for v in table.column("policy_version").to_pylist():
             self.staleness[self.version - v] += 1
         self.busy_s += time.monotonic() - started
         self.commit(stepped=applied)
+        self.in_step = False
         wall = time.monotonic() - self.started
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
         metrics.update(
@@ -201,13 +229,53 @@ class Learner:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
             self.doctor.check(self.version)
 
+    def update(self, kept: pa.Table, beta: float) -> tuple[bool, dict[str, float]]:
+        """One optimizer step on the kept rows at the current version (every rank).
+
+        (applied, metrics); nothing happens, on every rank alike, when no row is kept.
+        """
+        lc = self.cfg.learner
+        if not len(kept):
+            return False, {}
+        scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
+                            total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
+        self.backend.set_lr("policy", lc.lr * scale)
+        loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
+                                  self.backend.critic)
+        applied, grad_norm = self.backend.step(loss)
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
+        return applied, metrics
+
+    def sync(self, stepped: bool) -> dict[str, bytes]:
+        """The collective part of a commit, on every rank in the same order.
+
+        With an applied step the version advances and the full weights are gathered; the
+        leader publishes them. When a checkpoint is due, the backend's full optimizer state
+        (and the critic's weights) are gathered too and returned as checkpoint files (on the
+        leader; the others return {}).
+        """
+        files: dict[str, bytes] = {}
+        if not stepped:
+            return files
+        self.version += 1
+        with self.backend.gathered():
+            if self.leader:
+                publish_weights(self.ctx.store, self.ctx.keys, self.version, self.model,
+                                point=False)
+        if self.version % self.cfg.learner.ckpt_every == 0:
+            state = self.backend.state_dict()
+            if self.backend.critic is not None:
+                with self.backend.gathered():
+                    critic = state_dict_bytes(self.backend.critic.critic) if self.leader else b""
+                files[CRITIC] = critic
+            files[BACKEND_STATE] = st_save(state) if self.leader else b""
+        return files if self.leader else {}
+
     def commit(self, stepped: bool) -> None:
         """Publish (if the step was applied) and record the buffer's shards in the ledger."""
         store, keys = self.ctx.store, self.ctx.keys
-        if stepped:
-            self.version += 1
-            with self.backend.gathered():
-                publish_weights(store, keys, self.version, self.model, point=False)
+        files = self.sync(stepped)
         delta = []
         for key, table, outcome in self.buffer:
             sk = parse_shard_key(key)
@@ -227,11 +295,7 @@ class Learner:
         self.commits += 1
         store.put_json(keys.state("learn", f"ledger-{self.commits:06d}.json"),
                        {"version": self.version, "shards": delta})
-        if stepped and self.version % self.cfg.learner.ckpt_every == 0:
-            files = {BACKEND_STATE: st_save(self.backend.state_dict())}
-            if self.backend.critic is not None:
-                with self.backend.gathered():
-                    files[CRITIC] = state_dict_bytes(self.backend.critic.critic)
+        if files:
             save_checkpoint(store, keys, self.version, {}, files, self.cfg.learner.keep_checkpoints)
         store.put_json(progress_key(keys), {
             "version": self.version, "commits": self.commits, "counts": dict(self.counts),

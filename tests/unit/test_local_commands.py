@@ -1,0 +1,34 @@
+"""The local runner starts each stage with the graph's command line, under this interpreter."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from shardrl.config import load_config
+from shardrl.orchestrate.local import LocalRun
+from shardrl.store import LocalStore
+
+
+def local_run(tmp_path: Path, overrides: list[str]) -> LocalRun:
+    cfg = load_config("demo", overrides)
+    return LocalRun(cfg, "r1", str(tmp_path), LocalStore(str(tmp_path)), tmp_path,
+                    tmp_path / "config.yaml")
+
+
+def test_stages_run_as_modules_of_this_interpreter(tmp_path):
+    run = local_run(tmp_path, ["rollout.workers=2"])
+    assert run.command("learn", 0)[:5] == [sys.executable, "-m", "shardrl.cli", "stage", "learn"]
+    rollout = run.command("rollout", 1)
+    assert rollout[rollout.index("--worker") + 1] == "1"
+    assert rollout[rollout.index("--workers") + 1] == "2"
+
+
+def test_a_multi_rank_learner_starts_under_torchrun(tmp_path):
+    run = local_run(tmp_path, ["learner.backend.kind=deepspeed", "learner.backend.ranks=3"])
+    cmd = run.command("learn", 0)
+    assert cmd[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node=3", "-m", "shardrl.cli"]
+    assert cmd[7:9] == ["stage", "learn"] and cmd[cmd.index("--run-id") + 1] == "r1"
+    # other stages stay single processes
+    assert run.command("score", 0)[:3] == [sys.executable, "-m", "shardrl.cli"]
