@@ -1,8 +1,8 @@
 """The learn stage on two DeepSpeed ranks under torchrun equals the one-process torch learner.
 
-Both learners start from the same snapshot and the same ready shards (written here, one per
-policy version 0, 1, 2: the learner at version v sees versions up to v), so they make the same
-batches in the same order. The two-rank learner runs ZeRO-3, stops after its first step (`--once`)
+Both learners start from the same snapshot and the same ready shards (written here, all from
+policy version 0 and present from the start: a backlog), so they make the same batches in the
+same order: one shard of B groups per step, never the whole backlog at once. The two-rank learner runs ZeRO-3, stops after its first step (`--once`)
 and resumes from that checkpoint. The published weights must match the torch learner's, only
 rank 0 may have written to the store, and the ledgers must agree.
 """
@@ -46,9 +46,8 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="the `deepspeed` extra is not installed")
 
 
-def ready_shard(version: int, vocab: int, rng: np.random.Generator) -> pa.Table:
-    """Two prompt groups of four samples with mixed advantages (all kept), from `version`."""
-    seq = version
+def ready_shard(seq: int, vocab: int, rng: np.random.Generator) -> pa.Table:
+    """Two prompt groups of four samples with mixed advantages (all kept), from policy v0."""
     rows: dict[str, list] = {f.name: [] for f in READY}
     for g in range(2):
         prompt = rng.integers(3, vocab, size=int(rng.integers(3, 6))).tolist()
@@ -59,7 +58,7 @@ def ready_shard(version: int, vocab: int, rng: np.random.Generator) -> pa.Table:
             rows["prompt_id"].append(f"p{seq}-{g}")
             rows["group_id"].append(f"g{seq}-{g}")
             rows["sample_idx"].append(i)
-            rows["policy_version"].append(version)
+            rows["policy_version"].append(0)
             rows["worker"].append(0)
             rows["prompt_text"].append("x")
             rows["prompt_token_ids"].append(prompt)
@@ -114,9 +113,8 @@ def test_two_zero3_ranks_match_the_torch_learner_and_resume(tmp_path: Path):
     store = LocalStore(str(base))
     vocab = json.loads(store.get_bytes(keys.policy_file(0, "config.json")))["vocab_size"]
     rng = np.random.default_rng(0)
-    for version in range(3):  # B=2 groups per step: one shard per step
-        write_shard(store, keys.shard("ready", version, 0, 0), ready_shard(version, vocab, rng),
-                    READY)
+    for seq in range(3):  # B=2 groups per step: one shard per step, the last at lag k=2
+        write_shard(store, keys.shard("ready", 0, 0, seq), ready_shard(seq, vocab, rng), READY)
 
     single, multi = tmp_path / "single", tmp_path / "multi"
     shutil.copytree(base, single)
@@ -142,7 +140,7 @@ def test_two_zero3_ranks_match_the_torch_learner_and_resume(tmp_path: Path):
         files = sorted((root / keys.root / "state" / "learn").glob("ledger-*.json"))
         return [sorted(s["key"] for s in json.loads(f.read_text())["shards"]) for f in files]
 
-    assert ledger(single) == ledger(multi) and len(ledger(single)) == 3
+    assert ledger(single) == ledger(multi) == [[keys.shard("ready", 0, 0, seq)] for seq in range(3)]
     counts = [json.loads((r / keys.done()).read_text())["counts"] for r in (single, multi)]
     assert counts[0] == counts[1] == {"consumed": 24, "filtered": 0}
     # one writer: every metrics chunk is rank 0's, one set of points per step

@@ -101,7 +101,8 @@ class Learner:
                          " (leader)" if self.leader else "")
         self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
                                lambda v: set(self.ledger.get(v, ())))
-        self.buffer: list[tuple[str, pa.Table | None, str]] = []  # (key, table, outcome)
+        self.buffer: list[tuple[str, pa.Table]] = []
+        """(key, table) of read shards not yet committed, oldest version first."""
         self.busy_s = 0.0
         self.started = time.monotonic()
         from ..doctor.live import LiveDoctor
@@ -120,28 +121,36 @@ class Learner:
         if table is None:
             self.ctx.log.warning("quarantined %s", key)
             return
-        lag = self.version - parse_shard_key(key).version
-        self.buffer.append((key, table, "stale" if lag > self.k() else "admitted"))
+        self.buffer.append((key, table))
 
-    def groups_ready(self) -> tuple[int, int]:
-        """(groups kept by filtering, all groups) among the admitted buffered shards."""
+    def outcome(self, key: str) -> str:
+        """"stale" if the shard's policy version lags the learner's by more than k, at this step."""
+        lag = self.version - parse_shard_key(key).version
+        return "stale" if lag > self.k() else "admitted"
+
+    def next_batch(self) -> int | None:
+        """How many buffered shards (from the front) make the next step, None if too few.
+
+        A step takes shards in order until B prompt groups kept by filtering are in (ScaleRL's
+        effective batch), or a long run of filtered ones; stale shards on the way are dropped
+        with it. Shards past that point wait for the next step, so a backlog (after a restart,
+        say) makes several steps of size B rather than one huge one.
+        """
+        b = self.cfg.learner.batch_prompts
         kept, total = set(), set()
-        for _, table, outcome in self.buffer:
-            if outcome == "admitted":
+        for n, (key, table) in enumerate(self.buffer, start=1):
+            if self.outcome(key) == "admitted":
                 ids = table.column("group_id").to_pylist()
                 total.update(ids)
-                kept.update(g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True) if k)
-        return len(kept), len(total)
-
-    def batch_ready(self) -> bool:
-        """B kept prompt groups (ScaleRL's effective batch), or a long run of filtered ones."""
-        kept, total = self.groups_ready()
-        b = self.cfg.learner.batch_prompts
-        return kept >= b or total >= FILTERED_LIMIT * b
+                kept.update(g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True)
+                            if k)
+                if len(kept) >= b or len(total) >= FILTERED_LIMIT * b:
+                    return n
+        return None
 
     def publish_buffered(self) -> None:
         """Tell rollout workers which of their shards wait in the buffer (backlog accounting)."""
-        counts: Counter[int] = Counter(parse_shard_key(k).worker for k, _, _ in self.buffer)
+        counts: Counter[int] = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
         self.ctx.store.put_json(self.ctx.keys.state("learn", "buffered.json"),
                                 {str(w): n for w, n in counts.items()})
 
@@ -169,12 +178,12 @@ class Learner:
     def _lead(self) -> int:
         ctx, lc = self.ctx, self.cfg.learner
         while self.version < lc.total_steps:
-            buffered = {k for k, _, _ in self.buffer}
+            buffered = {k for k, _ in self.buffer}
             new = [k for k in self.scanner.poll(self.version) if k not in buffered]
             for key in new:
                 self.admit(key)
-            if self.batch_ready():
-                self.step()
+            if (n := self.next_batch()) is not None:
+                self.step(n)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
             elif new:
@@ -190,18 +199,19 @@ class Learner:
         ctx.log.info("done: %d steps, %s", self.version, dict(self.counts))
         return 0
 
-    def step(self) -> None:
-        cfg, lc = self.cfg, self.cfg.learner
+    def step(self, n: int) -> None:
+        """One update on the first `n` buffered shards, then their commit."""
+        lc = self.cfg.learner
         started = time.monotonic()
-        admitted = [t for _, t, outcome in self.buffer if outcome == "admitted"]
-        table = pa.concat_tables(admitted)
+        batch = [(key, table, self.outcome(key)) for key, table in self.buffer[:n]]
+        table = pa.concat_tables([t for _, t, outcome in batch if outcome == "admitted"])
         kept = table.filter(table.column("keep"))
         lag = self.version - pc.min(table.column("policy_version")).as_py()
         self.in_step = True
         if self.backend.world_size > 1:
             self.backend.broadcast_json({
                 "version": self.version, "beta": self.kl.beta,
-                "shards": [key for key, _, outcome in self.buffer if outcome == "admitted"],
+                "shards": [key for key, _, outcome in batch if outcome == "admitted"],
             })
         applied, metrics = self.update(kept, self.kl.beta)
         if applied and "kl_sum" in metrics:
@@ -211,7 +221,7 @@ class Learner:
         for v in table.column("policy_version").to_pylist():
             self.staleness[self.version - v] += 1
         self.busy_s += time.monotonic() - started
-        self.commit(stepped=applied)
+        self.commit(batch, stepped=applied)
         self.in_step = False
         wall = time.monotonic() - self.started
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
@@ -272,12 +282,12 @@ class Learner:
             files[BACKEND_STATE] = st_save(state) if self.leader else b""
         return files if self.leader else {}
 
-    def commit(self, stepped: bool) -> None:
-        """Publish (if the step was applied) and record the buffer's shards in the ledger."""
+    def commit(self, batch: list[tuple[str, pa.Table, str]], stepped: bool) -> None:
+        """Publish (if the step was applied) and record the batch's shards in the ledger."""
         store, keys = self.ctx.store, self.ctx.keys
         files = self.sync(stepped)
         delta = []
-        for key, table, outcome in self.buffer:
+        for key, table, outcome in batch:
             sk = parse_shard_key(key)
             rows = len(table)
             if outcome == "stale":
@@ -289,7 +299,7 @@ class Learner:
             self.by_worker[sk.worker] += 1
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
-        self.buffer = []
+        self.buffer = self.buffer[len(batch):]
         self.publish_buffered()  # before progress.json: a reader undercounts, never overcounts
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
