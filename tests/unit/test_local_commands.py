@@ -32,3 +32,16 @@ def test_a_multi_rank_learner_starts_under_torchrun(tmp_path):
     assert cmd[7:9] == ["stage", "learn"] and cmd[cmd.index("--run-id") + 1] == "r1"
     # other stages stay single processes
     assert run.command("score", 0)[:3] == [sys.executable, "-m", "shardrl.cli"]
+
+
+def test_stages_share_cores_unless_pinned(tmp_path):
+    run = local_run(tmp_path, ["pipeline.local.cores={rollout: [0], learn: [1]}",
+                               "pipeline.local.share_cores=true"])
+    env, cpus = run.placement("rollout")
+    assert cpus == {0} and "SHARDRL_CORE_SHARE" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert run.placement("learn")[1] == {1}
+    env, cpus = run.placement("evaluate")
+    assert cpus is None and env["SHARDRL_CORE_SHARE"] == str(tmp_path / "cores")
+    assert (tmp_path / "cores").is_dir()
+    off = local_run(tmp_path, ["pipeline.local.share_cores=false"])
+    assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]

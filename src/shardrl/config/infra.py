@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from .base import Section
@@ -86,8 +88,30 @@ class StageResources(Section):
     promote: Resources = Resources(**_STAGE_DEFAULTS["promote"])
 
 
+class LocalConfig(Section):
+    """How the local runner places stage processes on this machine's cores."""
+
+    share_cores: bool = False
+    """Lend idle stages' cores to busy ones: a busy rollout, learner or evaluator runs on
+    `cores // busy stages` threads (at least its configured `threads`)."""
+    cores: dict[Literal["rollout", "score", "prepare", "learn", "evaluate"], list[int]] = {}
+    """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
+    every core. Pinning disables sharing for the pinned stages."""
+
+    @field_validator("cores")
+    @classmethod
+    def _known_cores(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+        for name, cpus in value.items():
+            if not cpus or min(cpus) < 0:
+                raise ValueError(f"pipeline.local.cores.{name}: give core numbers >= 0")
+        return value
+
+
 class PipelineConfig(Section):
     """How the stages are run (local runner and Kubeflow)."""
+
+    local: LocalConfig = LocalConfig()
+    """Placement on one machine (local runner only)."""
 
     max_restarts: int = Field(3, ge=0, le=100)
     """Restarts of a crashed looping stage (local runner) / retries (Kubeflow)."""

@@ -17,6 +17,7 @@ import yaml
 from ..config import ConfigError, RunConfig, load_config
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
+from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import RunKeys, Store, StoreUnavailable, open_store
 from .graph import LOOPING, STAGES, entrypoint, stage
 
@@ -81,13 +82,36 @@ class LocalRun:
         module = {"shardrl": "shardrl.cli", "torchrun": "torch.distributed.run"}[argv[0]]
         return [sys.executable, "-m", module, *argv[1:]]
 
+    def placement(self, name: str) -> tuple[dict[str, str], set[int] | None]:
+        """(environment, CPU affinity or None) of a stage: its threads, its pinned cores, or
+        the shared-core directory through which busy stages borrow idle cores."""
+        threads = str(stage(name).threads(self.cfg))
+        env = {"SHARDRL_THREADS": threads, "OMP_NUM_THREADS": threads}
+        local = self.cfg.pipeline.local
+        pinned = local.cores.get(name)
+        if pinned is not None:
+            return env, set(pinned)
+        if local.share_cores:
+            share = self.log_dir / "cores"
+            share.mkdir(exist_ok=True)
+            env |= {SHARE_ENV: str(share), CORES_ENV: str(len(os.sched_getaffinity(0)))}
+        return env, None
+
     def start(self, name: str, worker: int = 0) -> Proc:
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")
-        env = dict(os.environ, SHARDRL_THREADS=str(stage(name).threads(self.cfg)),
-                   OMP_NUM_THREADS=str(stage(name).threads(self.cfg)))
+        env, cpus = self.placement(name)
+        die = _die_with_parent()
+
+        def preexec() -> None:
+            if die is not None:
+                die()
+            if cpus is not None:  # before exec: every thread of the stage inherits it
+                os.sched_setaffinity(0, cpus)
+
         handle = open(log, "a")  # noqa: SIM115 - owned by the child for its lifetime
         popen = subprocess.Popen(self.command(name, worker), stdout=handle, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True, preexec_fn=_die_with_parent())
+                                 env=dict(os.environ, **env), start_new_session=True,
+                                 preexec_fn=preexec)
         return Proc(name, worker, popen, log)
 
     def run_once(self, name: str) -> int:

@@ -18,7 +18,11 @@ def run(args) -> int:
 
     from ..orchestrate.graph import stage
 
-    torch.set_num_threads(int(threads) if threads else stage(args.name).threads(ctx.cfg))
+    floor = int(threads) if threads else stage(args.name).threads(ctx.cfg)
+    torch.set_num_threads(floor)
+    from .cores import CoreShare
+
+    ctx.cores = CoreShare.from_env(floor)
     torch.manual_seed(ctx.cfg.seed + 1000 * args.worker)
     module = importlib.import_module(f"shardrl.stages.{args.name}")
     from ..store import StoreUnavailable

@@ -18,6 +18,7 @@ from ..config.loader import apply_override, resolve_mapping
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
 from ..store.schemas import METRICS
+from .cores import CoreShare
 
 
 def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -99,6 +100,8 @@ class StageContext:
     once: bool = False
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("shardrl"))
     metrics: MetricsSink | None = None
+    cores: CoreShare = field(default_factory=lambda: CoreShare(None, 1, 1))
+    """This stage's share of the machine's cores (wrap heavy work in `cores.busy()`)."""
 
     @property
     def keys(self) -> RunKeys:

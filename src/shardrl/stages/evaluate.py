@@ -49,9 +49,10 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     items = task.heldout
     n = cfg.eval.samples_per_prompt
     started = time.monotonic()
-    groups = engine.engine.generate(engine.encode([it.prompt for it in items]), n,
-                                    temperature=cfg.eval.temperature, top_p=1.0,
-                                    max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
+    with ctx.cores.busy():
+        groups = engine.engine.generate(engine.encode([it.prompt for it in items]), n,
+                                        temperature=cfg.eval.temperature, top_p=1.0,
+                                        max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
     cols: dict[str, list] = {name: [] for name in EVAL.names}
     for item, samples in zip(items, groups, strict=True):
         for j, s in enumerate(samples):

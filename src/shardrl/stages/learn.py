@@ -220,16 +220,19 @@ class Learner:
             self.counts["skipped_steps"] += int(len(kept) > 0)
         for v in table.column("policy_version").to_pylist():
             self.staleness[self.version - v] += 1
-        self.busy_s += time.monotonic() - started
+        updated = time.monotonic()
+        self.busy_s += updated - started
         self.commit(batch, stepped=applied)
         self.in_step = False
+        committed = time.monotonic()
         wall = time.monotonic() - self.started
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
         metrics.update(
             beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
             samples=float(len(kept)), tokens=float(tokens),
-            samples_per_s=len(kept) / max(time.monotonic() - started, 1e-9),
-            tokens_per_s=tokens / max(time.monotonic() - started, 1e-9),
+            samples_per_s=len(kept) / max(committed - started, 1e-9),
+            tokens_per_s=tokens / max(committed - started, 1e-9),
+            update_s=updated - started, commit_s=committed - updated,
             busy_fraction=self.busy_s / max(wall, 1e-9),
             stale_dropped=float(self.counts["stale_dropped"]),
             skipped_steps=float(self.counts["skipped_steps"]),
@@ -250,9 +253,11 @@ class Learner:
         scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
                             total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
         self.backend.set_lr("policy", lc.lr * scale)
-        loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
-                                  self.backend.critic)
-        applied, grad_norm = self.backend.step(loss)
+        with self.ctx.cores.busy() as cores:
+            loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
+                                      self.backend.critic)
+            cores.adjust()  # the backward pass may get cores the generator left meanwhile
+            applied, grad_norm = self.backend.step(loss)
         metrics = {k: float(v) for k, v in m.items()}
         metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
         return applied, metrics

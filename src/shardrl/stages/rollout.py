@@ -58,10 +58,11 @@ def main(ctx: StageContext) -> int:
             continue
         skipped = 0
         started = time.monotonic()
-        groups = engine.engine.generate(engine.encode([it.prompt for it in items]), rc.group_size,
-                                        temperature=rc.temperature, top_p=rc.top_p,
-                                        max_new_tokens=rc.max_new_tokens,
-                                        seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
+        with ctx.cores.busy():
+            groups = engine.engine.generate(engine.encode([it.prompt for it in items]),
+                                            rc.group_size, temperature=rc.temperature,
+                                            top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
+                                            seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
         seconds = time.monotonic() - started
         table = _table(ctx, engine, items, groups, seq)
         write_shard(store, keys.rollout(engine.version, ctx.worker, seq), table, ROLLOUT)
@@ -143,6 +144,7 @@ def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: floa
         "response_length_max": float(lengths.max()),
         "truncation_rate": float(truncated.mean()),
         "tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+        "generate_s": seconds,
         "version_lag": float(latest - version),
         "samples": float(len(lengths)),
     })

@@ -51,7 +51,10 @@ class Scorer:
         out = table
         for name in ("reward_verifier", "reward_model", "reward_rm", "correct", "reward_error"):
             out = out.append_column(name, pa.array(result[name], type=SCORED.field(name).type))
-        ref = self._ref_logprobs(table) if self.ref is not None else [None] * len(table)
+        ref = [None] * len(table)
+        if self.ref is not None:
+            with self.ctx.cores.busy():
+                ref = self._ref_logprobs(table)
         out = out.append_column("ref_logprobs", pa.array(ref, type=SCORED.field("ref_logprobs").type))
         rewards = np.asarray(result["reward_rm"], dtype=np.float64)
         version = int(table.column("policy_version")[0].as_py())
