@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -20,6 +21,7 @@ from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import RunKeys, Store, StoreUnavailable, open_store
 from .graph import LOOPING, STAGES, entrypoint, stage
+from .rss import PeakRss, record
 
 RESTART_BACKOFF_S = (1.0, 30.0)
 """First and largest delay before restarting a crashed stage; doubles per restart."""
@@ -68,6 +70,8 @@ class LocalRun:
     log_dir: Path
     config_path: Path
     procs: list[Proc] = field(default_factory=list)
+    rss: PeakRss = field(default_factory=PeakRss)
+    """Peak resident memory per stage, sampled while the stages run."""
 
     @property
     def keys(self) -> RunKeys:
@@ -116,7 +120,13 @@ class LocalRun:
 
     def run_once(self, name: str) -> int:
         proc = self.start(name)
-        return proc.popen.wait()
+        while True:  # sample its memory while it runs: /proc forgets a process on exit
+            self.sample_rss([proc])
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return proc.popen.wait(timeout=0.5)
+
+    def sample_rss(self, procs: list[Proc]) -> None:
+        self.rss.sample((p.name, p.worker, p.popen.pid) for p in procs if p.popen.poll() is None)
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         for p in self.procs:
@@ -198,6 +208,7 @@ def run(args) -> int:
                   file=sys.stderr)
             return code if code == EXIT_STORE_UNAVAILABLE else 1
         code = monitor.summary()
+        print(record(lr.store, lr.keys, lr.rss), flush=True)
         if args.no_report:
             return code
         report = subprocess.run([sys.executable, "-m", "shardrl.cli", "report", lr.run_id,
@@ -267,6 +278,7 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 fresh = lr.start(p.name, p.worker)
                 fresh.restarts = p.restarts + 1
                 lr.procs[i] = fresh
+        lr.sample_rss(lr.procs)
         monitor.tick()
         if running == 0:
             return 0

@@ -1,0 +1,123 @@
+"""Peak RSS per stage from a fake /proc: tree sums, high-water marks kept, restarts, summary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardrl.orchestrate.rss import (
+    SUMMARY_FIELD,
+    PeakRss,
+    descendants,
+    parent_map,
+    record,
+    summary_line,
+    vm_hwm_kb,
+)
+from shardrl.store import LocalStore, RunKeys
+
+
+def fake_process(proc: Path, pid: int, ppid: int, hwm_kb: int | None, comm: str = "python") -> None:
+    """/proc/<pid>/stat and status as Linux writes them (only the fields read here)."""
+    d = proc / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 4194304 97 0\n")
+    status = f"Name:\t{comm}\nPPid:\t{ppid}\n"
+    if hwm_kb is not None:  # a zombie has no memory lines
+        status += f"VmHWM:\t{hwm_kb:>8} kB\nVmRSS:\t{hwm_kb // 2:>8} kB\n"
+    (d / "status").write_text(status)
+
+
+def fake_proc(tmp_path: Path) -> Path:
+    """runner 100 -> learn 200 (torchrun) -> ranks 201, 202; runner -> rollout 300 and 400."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "status").write_text("Name:\tpython\n")
+    fake_process(proc, 1, 0, 1000)
+    fake_process(proc, 100, 1, 50_000)
+    fake_process(proc, 200, 100, 10_240, comm="torch run (x)")  # ")" and spaces in comm
+    fake_process(proc, 201, 200, 204_800)
+    fake_process(proc, 202, 200, 102_400)
+    fake_process(proc, 300, 100, 51_200)
+    fake_process(proc, 400, 100, 40_960)
+    return proc
+
+
+def test_status_and_tree_parsing(tmp_path: Path):
+    proc = fake_proc(tmp_path)
+    assert vm_hwm_kb(201, proc) == 204_800
+    assert vm_hwm_kb(999, proc) is None  # gone
+    fake_process(proc, 203, 200, None)
+    assert vm_hwm_kb(203, proc) is None  # zombie
+    parents = parent_map(proc)
+    assert parents[200] == 100 and parents[201] == 200 and 1 in parents
+    assert descendants(200, parents) == [200, 203, 202, 201]
+    assert descendants(300, parents) == [300]
+
+
+def test_peaks_sum_the_tree_keep_maxima_and_take_the_largest_incarnation(tmp_path: Path):
+    proc = fake_proc(tmp_path)
+    rss = PeakRss(proc)
+    rss.sample([("learn", 0, 200), ("rollout", 0, 300), ("rollout", 1, 400)])
+    # a rank's high-water mark rises, another rank exits (its last value stays counted)
+    fake_process(proc, 201, 200, 307_200)
+    (proc / "202" / "status").unlink()
+    (proc / "202" / "stat").unlink()
+    # rollout worker 1 crashed; its restart (pid 500) peaks lower than the first incarnation
+    fake_process(proc, 500, 100, 30_720)
+    rss.sample([("learn", 0, 200), ("rollout", 0, 300), ("rollout", 1, 500)])
+    peaks = rss.stage_mb()
+    # learn: (10240 + 307200 + 102400) KiB / 1024 = 10 + 300 + 100 = 410 MiB
+    # rollout: worker 0 51200/1024 = 50, worker 1 max(40960, 30720)/1024 = 40 -> 90 MiB
+    assert peaks == {"learn": 410.0, "rollout": 90.0}
+    assert summary_line(peaks) == "peak RSS          learn 410 MiB, rollout 90 MiB"
+
+
+def test_record_merges_into_the_summary(tmp_path: Path):
+    proc = fake_proc(tmp_path)
+    fake_process(proc, os.getpid(), 1, 20_480)  # the runner: 20 MiB
+    store, keys = LocalStore(str(tmp_path / "store")), RunKeys("r")
+    key = keys.state("runner", "summary.json")
+    store.put_json(key, {"accounting": {"balanced": True}})
+    rss = PeakRss(proc)
+    rss.sample([("snapshot", 0, 300)])
+    line = record(store, keys, rss)
+    assert store.get_json(key) == {"accounting": {"balanced": True},
+                                   SUMMARY_FIELD: {"snapshot": 50.0, "runner": 20.0}}
+    assert line == "peak RSS          snapshot 50 MiB, runner 20 MiB"
+
+
+def test_without_proc_nothing_is_sampled(tmp_path: Path):
+    rss = PeakRss(tmp_path / "no-proc")
+    rss.sample([("learn", 0, 1)])
+    assert rss.stage_mb() == {}
+    assert summary_line({}) == "peak RSS          not sampled"
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_real_tree_counts_its_child(tmp_path: Path):
+    """A parent whose child holds 200 MiB: the tree's peak includes the child's 200 MiB."""
+    flag = tmp_path / "ready"
+    child = (f"b = b'x' * (200 << 20); open({str(flag)!r}, 'w').close(); "
+             "import time; time.sleep(60)")
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rss = PeakRss()
+        rss.sample([("learn", 0, parent.pid)])
+        (tree,) = rss.peaks[("learn", 0)].values()
+        assert len(tree) == 2  # the parent and its child
+        assert 200 < rss.stage_mb()["learn"] < 1000
+    finally:
+        for pid in descendants(parent.pid, parent_map())[::-1]:
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
