@@ -46,7 +46,13 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench pipelines components
 
-bench: $(STAMP)
+# the benchmarks' own extra (TRL for the peer comparison), installed once
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[bench]"
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) -m bench.run_all
 
 clean:
