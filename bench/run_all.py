@@ -1,48 +1,117 @@
-"""`make bench`: every benchmark, then bench/RESULTS.md from bench/results.json."""
+"""`make bench`: every benchmark, then bench/RESULTS.md from bench/results.json.
+
+Each benchmark merges its figures under its own key; the table below reads them back, so a
+benchmark run on its own (`python -m bench.NAME`) updates its rows the next time the table
+is written (`python -m bench.run_all --table-only`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 
 from bench.results import RESULTS
 
 BENCHES = [
     ["bench.algo_bench"],
     ["bench.store_bench"],
-    ["bench.async_bench", "--steps", "30", "--repeats", "2"],
+    ["bench.async_bench", "--repeats", "2"],
+    ["bench.trl_bench", "--repeats", "1"],
 ]
+
+Row = tuple[str, str, str, str]
+"""(benchmark, figure, target, value)"""
+
+
+def _algo(r: dict) -> Iterator[Row]:
+    for name, case in r["cases"].items():
+        yield "algo", f"{name}: library / inline time", "<= 1.05", f"{case['ratio']:.2f}"
+
+
+def _store(r: dict) -> Iterator[Row]:
+    for name, b in r.get("backends", {}).items():
+        yield "store", f"{name}: shard / raw throughput", ">= 0.5", f"{b['ratio']:.2f}"
+
+
+def _async(r: dict) -> Iterator[Row]:
+    if "disaggregated" not in r:  # written by an older version of the benchmark
+        return
+    d, s, busy = r["disaggregated"], r["shared"], r["busy_fraction"]
+    yield ("async", f"disaggregated k=0 / k=8 step time (g {d['g_s']:.2f} s, l {d['l_s']:.2f} s,"
+           f" ideal {d['ideal']:.2f}x)", "", f"{d['speedup']:.2f}x")
+    yield "async", "disaggregated: achieved / ideal", ">= 0.9", f"{d['fraction_of_ideal']:.2f}"
+    yield ("async", "shared machine: k=8 with core sharing vs best sync (all threads)", ">= 1.1x",
+           f"{s['speedup_sharing']:.2f}x")
+    if "speedup_fixed_split" in s:
+        yield ("async", "shared machine: k=8, fixed 1+1 threads vs best sync", "",
+               f"{s['speedup_fixed_split']:.2f}x")
+    yield "async", "shared machine: CPU-work bound", "", f"{s['cpu_work_bound']:.2f}x"
+    for variant, value in busy.items():
+        yield ("async", f"learner busy fraction, {variant} (steady / whole run)",
+               ">= 0.85 (k=8)" if "k8" in variant else "",
+               f"{value['steady']:.2f} / {value['whole_run']:.2f}")
+
+
+def _trl(r: dict) -> Iterator[Row]:
+    ratio = r["time_ratio"]["median"]
+    yield ("trl", "ShardRL time to TRL's final pass@1 / TRL wall clock", "<= 0.5",
+           "never reached" if ratio is None else f"{ratio:.2f}")
+    yield ("trl", "pass@1 ShardRL - TRL at TRL's final time", ">= 0",
+           f"{r['pass_gap']['median']:+.3f}")
+    yield ("trl", "final pass@1 ShardRL / TRL (equal wall clock)", "",
+           f"{r['shardrl']['final_pass']['median']:.3f} / {r['trl']['final_pass']['median']:.3f}")
+    yield ("trl", "samples/s ShardRL / TRL", "",
+           f"{r['shardrl']['samples_per_s']['median']:.1f} / "
+           f"{r['trl']['samples_per_s']['median']:.1f}")
+
+
+def _demo(r: dict) -> Iterator[Row]:
+    for row in r["rows"]:
+        yield (f"demo seed {row['seed']}", "pass@1 SFT -> RL (SFT continued as control)", "",
+               f"{row['sft_plateau']:.3f} -> {row['rl_final']:.3f} ({row['sft_continued']:.3f})")
+
+
+SECTIONS: dict[str, Callable[[dict], Iterator[Row]]] = {
+    "algo": _algo, "store": _store, "async": _async, "trl": _trl, "demo_control": _demo,
+}
 
 
 def table() -> str:
     r = json.loads(RESULTS.read_text())
-    lines = ["# Benchmark results", "", f"machine: {json.dumps(next((v['machine'] for v in r.values() if 'machine' in v), {}))}",
-             "", "| benchmark | figure | value |", "|---|---|---|"]
-    if "algo" in r:
-        for name, case in r["algo"]["cases"].items():
-            lines.append(f"| algo | {name}: library / inline time (target <= 1.05) | "
-                         f"{case['ratio']:.2f} |")
-    if "store" in r:
-        for name, b in r["store"].get("backends", {}).items():
-            lines.append(f"| store | {name}: shard / raw throughput (target >= 0.5) | "
-                         f"{b['ratio']:.2f} |")
-    if "async" in r:
-        a = r["async"]
-        lines.append(f"| async | RL wall k=0 / k=8 (median) | {a['speedup_async_over_sync']:.2f}x |")
-        lines.append(f"| async | learner busy fraction k=0 | {a['k0']['busy_fraction_median']:.2f} |")
-        lines.append(f"| async | learner busy fraction k=8 | {a['k8']['busy_fraction_median']:.2f} |")
-    if "demo_control" in r:
-        for row in r["demo_control"]["rows"]:
-            lines.append(f"| demo seed {row['seed']} | pass@1 SFT -> RL (SFT continued) | "
-                         f"{row['sft_plateau']:.3f} -> {row['rl_final']:.3f} "
-                         f"({row['sft_continued']:.3f}) |")
+    lines = ["# Benchmark results", ""]
+    for key in SECTIONS:
+        if "machine" in r.get(key, {}):
+            m = r[key]["machine"]
+            lines.append(f"- `{key}`: {m['date']}, {m['cpus']} CPUs, Python {m['python']}, "
+                         f"torch {m['torch']}, {m['platform']}")
+    lines += ["", "| benchmark | figure | target | value |", "|---|---|---|---|"]
+    for key, rows in SECTIONS.items():
+        if key in r:
+            lines += [f"| {' | '.join(row)} |" for row in rows(r[key])]
+    if "seconds" in r.get("run_all", {}):
+        lines += ["", "Wall clock per benchmark (s): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in r["run_all"]["seconds"].items())]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    for bench in BENCHES:
-        subprocess.run([sys.executable, "-m", *bench], check=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table-only", action="store_true", help="rewrite RESULTS.md only")
+    args = parser.parse_args()
+    if not args.table_only:
+        from bench.results import merge_results
+
+        seconds = {}
+        for bench in BENCHES:
+            started = time.monotonic()
+            print(f"== {' '.join(bench)}", flush=True)
+            subprocess.run([sys.executable, "-m", *bench], check=True)
+            seconds[bench[0].removeprefix("bench.")] = time.monotonic() - started
+        merge_results("run_all", {"seconds": seconds})
     text = table()
     (RESULTS.parent / "RESULTS.md").write_text(text)
     print(text)
