@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 
+from ..store import Store
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
@@ -29,6 +31,10 @@ def main(ctx: StageContext) -> int:
     backlog_cap = min(rc.max_backlog_shards, (cfg.learner.max_staleness + 1) * per_step)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     written, paused, skipped = 0, False, 0
+    # store writes run in order on one thread, overlapping the next shard's generation; a
+    # shard is written only after its sequence number's reservation is stored
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
+    last: Future | None = None
     while not ctx.done():
         if ctx.once and written >= per_step:
             break
@@ -46,7 +52,7 @@ def main(ctx: StageContext) -> int:
         seq = state["next_seq"]
         # reserve the sequence number first: a crash leaves a gap, never two shards with one name
         state = {"next_seq": seq + 1, "version": engine.version}
-        store.put_json(state_key, state)
+        reserved = writer.submit(store.put_json, state_key, state)
         items = _fitting(ctx, engine, _prompts(ctx, task, seq), seq)
         if not items:
             skipped += 1
@@ -59,16 +65,28 @@ def main(ctx: StageContext) -> int:
         skipped = 0
         started = time.monotonic()
         with ctx.cores.busy():
-            groups = engine.engine.generate(engine.encode([it.prompt for it in items]),
-                                            rc.group_size, temperature=rc.temperature,
+            prompt_ids = engine.encode([it.prompt for it in items])
+            groups = engine.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                             top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
                                             seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
         seconds = time.monotonic() - started
-        table = _table(ctx, engine, items, groups, seq)
-        write_shard(store, keys.rollout(engine.version, ctx.worker, seq), table, ROLLOUT)
+        table = _table(ctx, engine, items, prompt_ids, groups, seq)
+        if last is not None:
+            last.result()  # the previous shard is stored (or its error surfaces here)
+        last = writer.submit(_write_reserved, reserved, store,
+                             keys.rollout(engine.version, ctx.worker, seq), table)
         written += 1
         _log_metrics(ctx, engine.version, table, seconds)
+    writer.shutdown()  # waits for the writes still queued
+    if last is not None:
+        last.result()
     return 0
+
+
+def _write_reserved(reserved: Future, store: Store, key: str, table: pa.Table) -> None:
+    """Write a rollout shard once its reservation is stored; a failed reservation raises."""
+    reserved.result()
+    write_shard(store, key, table, ROLLOUT)
 
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:
@@ -109,11 +127,11 @@ def _prompts(ctx: StageContext, task, seq: int):
     return fresh[:n] or task.train_items(ctx.worker, seq, n)
 
 
-def _table(ctx: StageContext, engine: PolicyEngine, items, groups, seq: int) -> pa.Table:
+def _table(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list[int]], groups,
+           seq: int) -> pa.Table:
     cols: dict[str, list] = {name: [] for name in ROLLOUT.names}
     now = time.time()
-    for i, (item, samples) in enumerate(zip(items, groups, strict=True)):
-        prompt_ids = engine.encode([item.prompt])[0]
+    for i, (item, ids, samples) in enumerate(zip(items, prompt_ids, groups, strict=True)):
         group_id = f"w{ctx.worker:02d}-{seq:06d}-{i:03d}"
         for j, s in enumerate(samples):
             cols["prompt_id"].append(item.prompt_id)
@@ -122,7 +140,7 @@ def _table(ctx: StageContext, engine: PolicyEngine, items, groups, seq: int) -> 
             cols["policy_version"].append(engine.version)
             cols["worker"].append(ctx.worker)
             cols["prompt_text"].append(item.prompt)
-            cols["prompt_token_ids"].append(prompt_ids)
+            cols["prompt_token_ids"].append(ids)
             cols["response_token_ids"].append(s.token_ids)
             cols["behavior_logprobs"].append(s.logprobs)
             cols["finish_reason"].append(s.finish_reason)
