@@ -152,6 +152,36 @@ def test_listing_order_prefixes_and_start_after(store):
     assert seen == everything
 
 
+def test_listing_with_a_limit_stops_early_and_resumes_inside_folders(store):
+    # No folder shares its name with a sibling that extends it by a character below '/'
+    # (a/b/ beside a/b.json): SeaweedFS lists such a folder first, out of byte order.
+    keys = ["b/2", "a/b0", "a/b/c", "a/a", "c", "a/b/d/e", "b/10"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    # byte order: a/a < a/b/c < a/b/d/e < a/b0 < b/10 < b/2 < c
+    assert store.list(limit=1) == ["a/a"]
+    assert store.list(limit=3) == ["a/a", "a/b/c", "a/b/d/e"]
+    assert store.list(limit=100) == store.list() == sorted(keys)
+    assert store.list("a/b", limit=3) == ["a/b/c", "a/b/d/e", "a/b0"]
+    assert store.list("a/b/", limit=5) == ["a/b/c", "a/b/d/e"]
+    # resuming after a key continues into the next folder, or out of the folder it is in
+    # (start_after is a key seen before: SeaweedFS skips a folder named by start_after)
+    assert store.list(start_after="a/b/c", limit=1) == ["a/b/d/e"]
+    assert store.list(start_after="a/b/c", limit=2) == ["a/b/d/e", "a/b0"]
+    assert store.list("a/", start_after="a/b/d/e", limit=3) == ["a/b0"]
+    assert store.list("b/", start_after="a/zzz", limit=1) == ["b/10"]
+    assert store.list("a/", start_after="b/", limit=1) == []
+    # hopping one key at a time visits every key once, in order
+    seen, cursor = [], None
+    while page := store.list(start_after=cursor, limit=1):
+        seen += page
+        cursor = page[-1]
+    assert seen == sorted(keys)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            store.list(limit=bad)
+
+
 def test_shard_round_trip_and_padding(store):
     key = RunKeys("r1").rollout(3, 0, 7)
     table = _rollout_table(4)

@@ -1,4 +1,4 @@
-"""Metric series of a run, from its store (`metrics/<stage>/*.parquet`) or from MLflow.
+"""Metric series of a run, from its store (chunks under `metrics/<stage>/`) or from MLflow.
 
 A run's metrics are points `(name, step, value)`; names are namespaced `stage/name` and the
 step is the policy version. Several points can share a step (one per rollout shard), so a
@@ -20,6 +20,7 @@ import yaml
 
 from ..config import RunConfig
 from ..store import RunKeys, Store, open_store
+from ..store.keys import metrics_writer
 
 log = logging.getLogger("shardrl.doctor")
 
@@ -95,21 +96,66 @@ def read_chunk(store: Store, key: str) -> list[Point]:
                     table.column("value").to_pylist(), strict=True))
 
 
+class ChunkTail:
+    """The metric chunks of a run not taken yet, found without listing the ones taken.
+
+    Each writer (`<stage>/w<WW>`, one process of a stage) names its chunks in increasing
+    order, flat or bucketed (see `RunKeys.metrics_chunk`), and its keys are contiguous in key
+    order, so `marks` (writer -> last chunk taken) splits a writer's chunks into taken and
+    new. A poll walks `metrics/` with a cursor: at a writer's first key it jumps to the
+    writer's mark and collects what follows, until the next writer's first key. That is one
+    short listing per writer, however many chunks the run has left behind.
+    """
+
+    FIRST_PAGE, LAST_PAGE = 16, 1000
+    """Keys asked per listing: few after a jump (about one new chunk per writer per poll),
+    growing fourfold per full page while a writer's backlog (or a new writer's history) lasts."""
+
+    def __init__(self, store: Store, keys: RunKeys, marks: dict[str, str] | None = None) -> None:
+        self.store, self.prefix = store, keys.root + "metrics/"
+        self.marks: dict[str, str] = dict(marks or {})
+
+    def poll(self) -> list[str]:
+        """The chunk keys after the marks, in key order (`take` them once used)."""
+        new: list[str] = []
+        after: str | None = None
+        limit = self.FIRST_PAGE
+        while page := self.store.list(self.prefix, start_after=after, limit=limit):
+            for key in page:
+                mark = self.marks.get(metrics_writer(key))
+                if mark is not None and key <= mark:
+                    after, limit = mark, self.FIRST_PAGE  # taken before: skip to the mark
+                    break
+                if key.endswith(".parquet"):
+                    new.append(key)
+                after = key
+            else:
+                if len(page) < limit:
+                    break
+                limit = min(4 * limit, self.LAST_PAGE)
+        return new
+
+    def take(self, chunk_keys: Iterable[str]) -> None:
+        """Move the marks past `chunk_keys`: later polls no longer return them."""
+        for key in chunk_keys:
+            writer = metrics_writer(key)
+            self.marks[writer] = max(key, self.marks.get(writer, key))
+
+
 class ChunkReader:
     """Reads a run's metric chunks incrementally: each chunk once, points accumulated."""
 
     def __init__(self, store: Store, keys: RunKeys) -> None:
-        self.store, self.keys = store, keys
-        self.seen: set[str] = set()
+        self.store = store
+        self.tail = ChunkTail(store, keys)
         self.points: list[Point] = []
 
     def poll(self) -> int:
         """Read the chunks written since the last poll; returns how many were new."""
-        new = [k for k in self.store.list(self.keys.root + "metrics/")
-               if k.endswith(".parquet") and k not in self.seen]
+        new = self.tail.poll()
         for key in new:
             self.points += read_chunk(self.store, key)
-            self.seen.add(key)
+            self.tail.take([key])
         return len(new)
 
     def metrics(self) -> Metrics:

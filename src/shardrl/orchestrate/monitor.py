@@ -1,4 +1,9 @@
-"""Live progress of a local run, metric forwarding to MLflow, and the closing summary."""
+"""Live progress of a local run, metric forwarding to MLflow, and the closing summary.
+
+A tick costs the same late in a run as early on: it reads the learner's progress, the newest
+evaluation named by `state/evaluate/latest.json`, and the metric chunks after the marks of
+`state/runner/forwarded.json` (a `ChunkTail`), never a whole folder of the run.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import time
 
 import pyarrow.parquet as pq
 
+from ..doctor.series import ChunkTail
+from ..stages.evaluate import latest_evaluated
 from ..tracking.mlflow_run import client, find_or_create_run, log_points, tracking_uri
 from .accounting import account
 
@@ -24,10 +31,12 @@ class Monitor:
         self.last_line = ""
         self.last_tick = 0.0
         self.forwarded_key = lr.keys.state("runner", "forwarded.json")
-        self.forwarded: dict[str, str] = (lr.store.get_json(self.forwarded_key)
-                                          if lr.store.exists(self.forwarded_key) else {})
-        """Per metrics writer ("<stage>/wWW"), the last chunk sent to MLflow: chunk names grow
-        with time, so a resumed run forwards only what its predecessor had not."""
+        self.tail = ChunkTail(lr.store, lr.keys, lr.store.get_json(self.forwarded_key)
+                              if lr.store.exists(self.forwarded_key) else {})
+        """Its marks, per metrics writer ("<stage>/wWW"), name the last chunk sent to MLflow:
+        chunk names grow with time, so a resumed run forwards only what its predecessor had not."""
+        self.last_eval: tuple[int, dict] | None = None
+        """(version, summary) of the newest evaluation seen."""
         self.mlflow = None
         if lr.cfg.tracking.enabled:
             self.client = client(lr.cfg)
@@ -46,11 +55,10 @@ class Monitor:
         pkey = keys.state("learn", "progress.json")
         progress = store.get_json(pkey) if store.exists(pkey) else {}
         step = int(progress.get("version", 0))
-        evals = self._evals()
-        last_eval = evals[max(evals)] if evals else None
+        last_eval = self._last_eval()
         stale = progress.get("staleness", {})
         line = (f"step {step}/{self.total}"
-                + (f"  pass@1 v{max(evals)} {last_eval['pass_at_1']:.3f}" if last_eval else "")
+                + (f"  pass@1 v{last_eval[0]} {last_eval[1]['pass_at_1']:.3f}" if last_eval else "")
                 + f"  consumed {progress.get('counts', {}).get('consumed', 0)}"
                 + (f"  staleness max {max(int(k) for k in stale)}" if stale else ""))
         if self.bar:
@@ -62,7 +70,16 @@ class Monitor:
         self.last_line = line
         self._forward()
 
+    def _last_eval(self) -> tuple[int, dict] | None:
+        """(version, summary) of the newest evaluation; its summary is read once."""
+        store, keys = self.lr.store, self.lr.keys
+        version = latest_evaluated(store, keys)
+        if version is not None and (self.last_eval is None or self.last_eval[0] != version):
+            self.last_eval = (version, store.get_json(keys.eval_summary(version)))
+        return self.last_eval
+
     def _evals(self) -> dict[int, dict]:
+        """Every evaluation summary by version (lists `eval/`: for the closing summary)."""
         store, keys = self.lr.store, self.lr.keys
         return {int(k.rsplit("/v", 1)[1][:6]): store.get_json(k)
                 for k in store.list(keys.root + "eval/") if k.endswith(".json")}
@@ -71,21 +88,19 @@ class Monitor:
         """Copy new metric chunks from the store to MLflow (the only SQLite writer)."""
         if self.mlflow is None:
             return
-        store, keys = self.lr.store, self.lr.keys
-        points, marks = [], dict(self.forwarded)
-        for key in store.list(keys.root + "metrics/"):
-            writer = _writer(key)
-            if key <= marks.get(writer, ""):
-                continue
+        store = self.lr.store
+        new = self.tail.poll()
+        points = []
+        for key in new:
             table = pq.read_table(io.BytesIO(store.get_bytes(key)))
             points += list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
                                table.column("value").to_pylist(), table.column("time").to_pylist(),
                                strict=True))
-            marks[writer] = key
         if points:
             log_points(self.client, self.mlflow, points)
-            self.forwarded = marks
-            store.put_json(self.forwarded_key, marks)
+        if new:
+            self.tail.take(new)
+            store.put_json(self.forwarded_key, self.tail.marks)
 
     def finish_metrics(self) -> None:
         self.last_tick = 0.0
@@ -135,8 +150,3 @@ class Monitor:
             "promote": promo, "done": done})
         return 0 if acc.balanced else 3
 
-
-def _writer(chunk_key: str) -> str:
-    """"<stage>/wWW" of a metrics chunk key `.../metrics/<stage>/wWW-<time>.parquet`."""
-    stage, name = chunk_key.rsplit("/", 2)[-2:]
-    return f"{stage}/{name.split('-', 1)[0]}"

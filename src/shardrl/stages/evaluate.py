@@ -1,18 +1,27 @@
-"""evaluate: held-out pass@1 of policy versions 0, every `eval.every`-th, and the last."""
+"""evaluate: held-out pass@1 of policy versions 0, every `eval.every`-th, and the last.
+
+Versions are evaluated in increasing order, so what is owed is one cursor: the lowest wanted
+version not evaluated yet (`Schedule`). A poll costs the same late in a run as at its start:
+`eval/` is listed once when the stage starts, never per poll. After each summary,
+`state/evaluate/latest.json` names the newest evaluated version, for the runner's progress line.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
+from ..store import RunKeys, Store
 from ..store.schemas import EVAL
 from ..store.shards import write_shard
-from ..tasks.source import make_task
 from .context import StageContext
-from .engine import PolicyEngine
+
+if TYPE_CHECKING:
+    from .engine import PolicyEngine
 
 EVAL_SEED = 12_345
 
@@ -21,22 +30,73 @@ def wanted(version: int, every: int, total: int) -> bool:
     return version == 0 or version % every == 0 or version == total
 
 
+def next_wanted(version: int, every: int, total: int) -> int | None:
+    """The first version after `version` to evaluate (the next multiple of `every`, or
+    `total`); None once `version >= total`."""
+    if version >= total:
+        return None
+    return min((version // every + 1) * every, total)
+
+
+def latest_key(keys: RunKeys) -> str:
+    """`state/evaluate/latest.json`: {"version": the newest evaluated version}."""
+    return keys.state("evaluate", "latest.json")
+
+
+def latest_evaluated(store: Store, keys: RunKeys) -> int | None:
+    """The newest evaluated version, None before the first evaluation."""
+    key = latest_key(keys)
+    return int(store.get_json(key)["version"]) if store.exists(key) else None
+
+
+class Schedule:
+    """The versions evaluate owes, lowest first, from one listing of `eval/` at start."""
+
+    def __init__(self, store: Store, keys: RunKeys, every: int, total: int) -> None:
+        self.every, self.total = every, total
+        self.done = {int(k.rsplit("/v", 1)[1][:6]) for k in store.list(keys.root + "eval/")
+                     if k.endswith(".json")}
+        """Evaluated versions `next` has not reached yet."""
+        self.next: int | None = 0
+        self._skip_done()
+
+    def due(self, latest: int) -> int | None:
+        """The version to evaluate now: the lowest owed one, if published (`<= latest`)."""
+        return self.next if self.next is not None and self.next <= latest else None
+
+    def advance(self) -> None:
+        """`due`'s version is evaluated (or cannot be): move to the next owed one."""
+        if self.next is not None:
+            self.done.add(self.next)
+            self._skip_done()
+
+    def _skip_done(self) -> None:
+        while self.next is not None and self.next in self.done:
+            self.done.discard(self.next)
+            self.next = next_wanted(self.next, self.every, self.total)
+
+
 def main(ctx: StageContext) -> int:
+    from ..tasks.source import make_task
+    from .engine import PolicyEngine
+
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     task = make_task(cfg)
     while ctx.latest_version() is None:
         time.sleep(cfg.eval.poll_interval_s)
     engine = PolicyEngine(ctx, 0)
     total = cfg.learner.total_steps
+    schedule = Schedule(store, keys, cfg.eval.every, total)
     while True:
         finished = ctx.done()
         latest = ctx.latest_version()
-        done = set(store.list(keys.root + "eval/"))
-        pending = [v for v in range(latest + 1) if wanted(v, cfg.eval.every, total)
-                   and keys.eval_summary(v) not in done
-                   and store.exists(keys.policy_file(v, "MANIFEST.json"))]
-        if pending:
-            evaluate_version(ctx, engine, task, pending[0])
+        version = schedule.due(latest)
+        if version is not None:
+            if store.exists(keys.policy_file(version, "MANIFEST.json")):
+                evaluate_version(ctx, engine, task, version)
+            else:  # published versions that evaluation wants are never collected
+                ctx.log.error("policy v%d is gone from the store: not evaluated", version)
+            schedule.advance()
             continue
         if (finished and latest >= total) or ctx.once:
             return 0
@@ -75,6 +135,7 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started)
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
+    ctx.store.put_json(latest_key(ctx.keys), {"version": version})
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
                               if isinstance(v, float) and k not in ("seconds", "temperature")})
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],

@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from ..store import Store
+from ..store import RunKeys, Store
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
@@ -38,12 +38,10 @@ def main(ctx: StageContext) -> int:
     while not ctx.done():
         if ctx.once and written >= per_step:
             break
-        progress = read_progress(store, keys)
-        processed = int(progress.get("processed_by_worker", {}).get(str(ctx.worker), 0))
-        processed += buffered_shards(store, keys, ctx.worker)
-        if not ctx.once and state["next_seq"] - processed >= backlog_cap:
+        waiting = backlog(store, keys, ctx.worker, state["next_seq"])
+        if not ctx.once and waiting >= backlog_cap:
             if not paused:
-                ctx.log.info("backlog of %d shards: pausing", state["next_seq"] - processed)
+                ctx.log.info("backlog of %d shards: pausing", waiting)
                 paused = True
             time.sleep(rc.poll_interval_s)
             continue
@@ -87,6 +85,15 @@ def _write_reserved(reserved: Future, store: Store, key: str, table: pa.Table) -
     """Write a rollout shard once its reservation is stored; a failed reservation raises."""
     reserved.result()
     write_shard(store, key, table, ROLLOUT)
+
+
+def backlog(store: Store, keys: RunKeys, worker: int, next_seq: int) -> int:
+    """Shards `worker` has reserved (its next sequence number) that the learner has neither
+    committed (`progress.json`) nor buffered (`buffered.json`): two small objects, read
+    before each shard, whose size does not grow with the run."""
+    progress = read_progress(store, keys)
+    processed = int(progress.get("processed_by_worker", {}).get(str(worker), 0))
+    return next_seq - processed - buffered_shards(store, keys, worker)
 
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:

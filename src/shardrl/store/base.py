@@ -64,6 +64,13 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_limit(limit: int | None) -> int | None:
+    """Return `limit` if it is None or a positive integer, else raise ValueError."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"list limit must be None or an integer >= 1, got {limit!r}")
+    return limit
+
+
 class Store(ABC):
     """An object store rooted at `uri`; keys are relative to that root."""
 
@@ -85,11 +92,17 @@ class Store(ABC):
         """Whether an object exists at `key`."""
 
     @abstractmethod
-    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        """Keys starting with `prefix`, sorted, all greater than `start_after` if given.
+    def list(self, prefix: str = "", start_after: str | None = None,
+             limit: int | None = None) -> list[str]:
+        """Keys starting with `prefix`, sorted, all greater than `start_after` if given, at
+        most the first `limit` of them if given (ValueError unless `limit >= 1`).
 
         Pass the last key of the previous listing as `start_after` to resume a scan
-        without listing everything again.
+        without listing everything again; a small `limit` makes a hop to the next key
+        after a point cheap whatever follows it. Keys sort by their bytes, where SeaweedFS
+        differs in two cases that run layouts avoid: it lists a folder before a sibling whose
+        name extends the folder's name by a character below '/' (`a/b/` before `a/b.json`),
+        and skips a whole folder named by `start_after` (pass keys seen before).
         """
 
     @abstractmethod

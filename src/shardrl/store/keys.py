@@ -8,7 +8,8 @@
     runs/r/ready/v000012/w00-000034.parquet          named after its rollout shard
     runs/r/learner/ckpt-000100/<file>, learner/LATEST.json
     runs/r/eval/v000012.parquet, eval/v000012.json
-    runs/r/metrics/<stage>/<name>.parquet
+    runs/r/metrics/<stage>/<name>.parquet            metrics chunk (flat)
+    runs/r/metrics/<stage>/w03/0001712/1712000000123456.parquet   metrics chunk (bucketed)
     runs/r/state/<stage>/<name>
     runs/r/quarantine/<stage>/<run-relative key>, and <that key>.error.json
     runs/r/DONE.json
@@ -29,6 +30,11 @@ MAX_VERSION = 999_999
 MAX_WORKER = 99
 MAX_SEQ = 999_999
 MAX_STEP = 999_999
+MAX_TIME_US = 10**16 - 1
+METRICS_BUCKET_US = 10**9
+"""Width in microseconds (about 17 minutes) of one folder of bucketed metric chunks: a writer
+flushes at most every few seconds, so a folder holds a few hundred chunks however long the
+run, and a listing from a cursor stays small on a folder store too."""
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _SHARD = re.compile(
@@ -187,12 +193,34 @@ class RunKeys:
     def metrics(self, stage: str, name: str) -> str:
         return f"{self.root}metrics/{_name(stage, 'stage')}/{_name(name, 'metrics name')}.parquet"
 
+    def metrics_chunk(self, stage: str, worker: int, time_us: int) -> str:
+        """The bucketed chunk that worker `worker` of `stage` writes at `time_us` (microseconds
+        since the epoch): `metrics/<stage>/w<WW>/<time_us // METRICS_BUCKET_US>/<time_us>.parquet`.
+        A writer's chunks are contiguous in key order and sort by time."""
+        t = _number(time_us, MAX_TIME_US, "time_us")
+        return (f"{self.root}metrics/{_name(stage, 'stage')}/"
+                f"w{_number(worker, MAX_WORKER, 'worker'):02d}/"
+                f"{t // METRICS_BUCKET_US:07d}/{t:016d}.parquet")
+
     def state(self, stage: str, name: str) -> str:
         return f"{self.root}state/{_name(stage, 'stage')}/{_relative_path(name, 'state name')}"
 
     def quarantine(self, stage: str, key: str) -> str:
         """Where the run's object `key` goes when `stage` cannot use it."""
         return f"{self.root}quarantine/{_name(stage, 'stage')}/{self.relative(key)}"
+
+
+_WRITER = re.compile(r"runs/[^/]+/metrics/(?P<stage>[^/]+)/(?P<writer>w\d+(?=[-/])|[^/]+)")
+
+
+def metrics_writer(key: str) -> str:
+    """`<stage>/w<WW>` of a metrics chunk key, flat (`.../metrics/learn/w00-<time>.parquet`) or
+    bucketed (`.../metrics/learn/w00/<bucket>/<time>.parquet`); the chunk's name when it names
+    no worker. ValueError for a key outside a run's `metrics/<stage>/`."""
+    m = _WRITER.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"not a metrics chunk key: {key!r} (expected runs/<run>/metrics/<stage>/...)")
+    return f"{m['stage']}/{m['writer'].removesuffix('.parquet')}"
 
 
 def quarantine_key(key: str, stage: str) -> str:

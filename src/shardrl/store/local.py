@@ -7,11 +7,19 @@ several processes can write distinct keys at once.
 
 from __future__ import annotations
 
+import bisect
 import os
 import uuid
 from pathlib import Path
 
-from shardrl.store.base import NotFound, Store, StoreError, check_key, check_prefix
+from shardrl.store.base import (
+    NotFound,
+    Store,
+    StoreError,
+    check_key,
+    check_limit,
+    check_prefix,
+)
 
 _TMP_SUFFIX = ".tmp"
 
@@ -64,35 +72,51 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"cannot delete {key!r} in {self.uri}: {e}") from e
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+    def list(self, prefix: str = "", start_after: str | None = None,
+             limit: int | None = None) -> list[str]:
         check_prefix(prefix)
-        # Walk only the folder that holds every key with this prefix.
-        base = prefix.rpartition("/")[0]
+        check_limit(limit)
+        # Walk only the folder that holds every key with this prefix, in key order, so the
+        # walk skips what sorts before start_after and stops once it has `limit` keys.
+        base, _, partial = prefix.rpartition("/")
         top = self.root.joinpath(*base.split("/")) if base else self.root
         keys: list[str] = []
-        self._walk(top, f"{base}/" if base else "", prefix, start_after, keys)
-        keys.sort()
+        self._walk(top, f"{base}/" if base else "", partial, start_after, limit, keys)
         return keys
 
-    def _walk(
-        self, folder: Path, rel: str, prefix: str, start_after: str | None, out: list[str]
-    ) -> None:
-        """Append to `out` the keys under `folder` (whose key prefix is `rel`) that match."""
+    def _walk(self, folder: Path, rel: str, partial: str, start_after: str | None,
+              limit: int | None, out: list[str]) -> bool:
+        """Append to `out`, in key order, the keys under `folder` (whose key prefix is `rel`)
+        whose rest starts with `partial` and that follow `start_after`; True once `out` holds
+        `limit` keys."""
         try:
-            entries = list(os.scandir(folder))
+            with os.scandir(folder) as it:
+                # A folder's keys sort as its name plus '/': order the entries as their keys.
+                # Names starting with '.' are temp files of writes in progress.
+                names = [e.name + "/" if e.is_dir(follow_symlinks=False) else e.name
+                         for e in it if e.name[0] != "."]
         except (FileNotFoundError, NotADirectoryError):
-            return
-        for entry in entries:
-            if entry.name.startswith("."):  # temp files of writes in progress
-                continue
-            key = rel + entry.name
-            if entry.is_dir(follow_symlinks=False):
-                sub = key + "/"
-                # Skip folders whose keys cannot match the prefix or all sort before start_after.
-                if not (sub.startswith(prefix) or prefix.startswith(sub)):
-                    continue
-                if start_after is not None and sub < start_after and not start_after.startswith(sub):
-                    continue
-                self._walk(Path(entry.path), sub, prefix, start_after, out)
-            elif key.startswith(prefix) and (start_after is None or key > start_after):
-                out.append(key)
+            return False
+        names.sort()
+        first = bisect.bisect_left(names, partial)
+        if start_after is not None:
+            if start_after.startswith(rel):
+                rest = start_after[len(rel):]
+                after = bisect.bisect_right(names, rest)
+                if after and names[after - 1].endswith("/") and rest.startswith(names[after - 1]):
+                    after -= 1  # the folder start_after lies in: resume inside it
+                first = max(first, after)
+            elif start_after > rel:
+                return False  # every key here sorts before start_after
+        for i in range(first, len(names)):
+            name = names[i]
+            if not name.startswith(partial):
+                break
+            if name.endswith("/"):
+                if self._walk(folder / name[:-1], rel + name, "", start_after, limit, out):
+                    return True
+            else:
+                out.append(rel + name)
+                if limit is not None and len(out) >= limit:
+                    return True
+        return False

@@ -29,6 +29,7 @@ from shardrl.store.base import (
     Store,
     StoreError,
     check_key,
+    check_limit,
     check_prefix,
 )
 
@@ -174,20 +175,31 @@ class S3Store(Store):
         name = self.prefix + check_key(key)
         self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+    def list(self, prefix: str = "", start_after: str | None = None,
+             limit: int | None = None) -> list[str]:
         check_prefix(prefix)
+        check_limit(limit)
         after = self.prefix + start_after if start_after is not None else None
 
         def scan() -> list[str]:
-            objects = self._client.list_objects(
-                self.bucket, prefix=self.prefix + prefix, recursive=True, start_after=after
+            # The SDK's private lister is the one that takes max-keys (the public one always
+            # asks for pages of 1000); minio is pinned, so its signature is too.
+            objects = self._client._list_objects(
+                self.bucket, prefix=self.prefix + prefix, start_after=after,
+                max_keys=min(limit, 1000) if limit is not None else None, encoding_type="url",
             )
-            return [o.object_name for o in objects if not o.is_dir]
+            names = []
+            for o in objects:
+                if o.is_dir or (after is not None and o.object_name <= after):
+                    continue  # a server that ignores start-after stays correct
+                names.append(o.object_name)
+                if limit is not None and len(names) >= limit:
+                    break  # no further page is requested
+            return names
 
         names = self._call("list", prefix, scan)
         cut = len(self.prefix)
-        # Sorted and filtered here too, so a server that ignores start-after stays correct.
-        return sorted(n[cut:] for n in names if after is None or n > after)
+        return sorted(n[cut:] for n in names)
 
     def _call(self, what: str, key: str, op: Callable[[], T]) -> T:
         """Run `op` under the retry policy and turn SDK errors into store errors."""

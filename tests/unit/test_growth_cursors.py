@@ -1,0 +1,187 @@
+"""Polls that cost the same late in a run as early on: metric chunks after per-writer marks,
+evaluation from a cursor, the runner's tick, the rollout backlog."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pytest
+
+from shardrl.config import RunConfig
+from shardrl.doctor.series import ChunkReader, ChunkTail
+from shardrl.orchestrate.monitor import Monitor
+from shardrl.stages.evaluate import Schedule, latest_key, next_wanted
+from shardrl.stages.rollout import backlog
+from shardrl.store import LocalStore, RunKeys, write_shard
+from shardrl.store.keys import METRICS_BUCKET_US, metrics_writer
+from shardrl.store.schemas import METRICS
+
+KEYS = RunKeys("r1")
+T0 = 1_712_000_000_000_000  # microseconds: a bucket boundary (1_712_000 * METRICS_BUCKET_US)
+
+
+class CountingStore(LocalStore):
+    """A folder store that counts listings and the keys they return."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.listings = 0
+        self.listed: list[str] = []
+
+    def list(self, prefix: str = "", start_after: str | None = None,
+             limit: int | None = None) -> list[str]:
+        keys = super().list(prefix, start_after, limit)
+        self.listings += 1
+        self.listed += keys
+        return keys
+
+
+def chunk(store, key: str, step: int, value: float = 1.0) -> str:
+    """A one-point metrics chunk at `key`."""
+    table = pa.table({"stage": ["s"], "name": ["s/x"], "step": [step], "value": [value],
+                      "time": [0.0]})
+    write_shard(store, key, table, METRICS)
+    return key
+
+
+def flat(stage: str, worker: int, i: int) -> str:
+    """A chunk key as MetricsSink names it today: metrics/<stage>/wWW-<time>.parquet."""
+    return KEYS.metrics(stage, f"w{worker:02d}-{T0 + i:016d}")
+
+
+def test_chunk_keys_name_their_writer_in_both_layouts():
+    bucketed = KEYS.metrics_chunk("rollout", 3, T0 + 5 * METRICS_BUCKET_US + 7)
+    # 1_712_000_000_000_000 // 10**9 = 1_712_000, then 5 buckets further
+    assert bucketed == "runs/r1/metrics/rollout/w03/1712005/1712005000000007.parquet"
+    assert metrics_writer(bucketed) == "rollout/w03"
+    assert metrics_writer(flat("learn", 0, 1)) == "learn/w00"
+    assert metrics_writer(KEYS.metrics("learner", "steps")) == "learner/steps"
+    with pytest.raises(ValueError):
+        metrics_writer("runs/r1/eval/v000001.json")
+    with pytest.raises(ValueError):
+        KEYS.metrics_chunk("learn", 100, T0)
+
+
+def write_history(store, writers: list[tuple[str, int]], count: int) -> list[str]:
+    return [chunk(store, flat(stage, w, i), i) for stage, w in writers for i in range(count)]
+
+
+@pytest.mark.parametrize("history", [20, 400])
+def test_a_poll_lists_as_many_keys_whatever_the_history(tmp_path, history):
+    store = CountingStore(tmp_path)
+    writers = [("learn", 0), ("rollout", 0), ("rollout", 1)]
+    old = write_history(store, writers, history)
+    tail = ChunkTail(store, KEYS)
+    assert tail.poll() == sorted(old)
+    tail.take(old)
+    new = [chunk(store, flat(stage, w, history), history) for stage, w in writers]
+    store.listings, store.listed = 0, []
+    assert tail.poll() == new
+    # Pages of FIRST_PAGE = 16 keys: from the start, 16 keys of learn/w00 (its first is
+    # taken: jump to its mark); after it, its new chunk + 15 of rollout/w00 (jump); its new
+    # chunk + 15 of rollout/w01 (jump); its new chunk alone, a short page: the end.
+    # 4 listings, 16 + 16 + 16 + 1 = 49 keys, for a history of 20 as of 400.
+    assert store.listings == 4 and len(store.listed) == 49
+    tail.take(new)
+    assert tail.poll() == []
+
+
+def test_every_chunk_is_returned_once_across_polls_backlogs_and_layouts(tmp_path):
+    store = LocalStore(tmp_path)
+    tail = ChunkTail(store, KEYS)
+    written, seen = [], []
+    # a backlog of 100 chunks of one writer takes pages of 16, 64 and 256 keys
+    written += write_history(store, [("score", 0)], 100)
+    seen += tail.poll()
+    tail.take(seen)
+    # a writer appears later; an older one goes on, then switches to bucketed chunks
+    written += [chunk(store, flat("evaluate", 0, 1), 1), chunk(store, flat("score", 0, 100), 1)]
+    written += [chunk(store, KEYS.metrics_chunk("score", 0, T0 + b * METRICS_BUCKET_US), b)
+                for b in (101, 102)]
+    new = tail.poll()
+    tail.take(new)
+    seen += new
+    assert tail.poll() == []
+    assert sorted(seen) == sorted(written) and len(seen) == len(set(seen)) == 104
+
+
+def test_the_reader_accumulates_the_points_of_new_chunks_only(tmp_path):
+    store = LocalStore(tmp_path)
+    reader = ChunkReader(store, KEYS)
+    chunk(store, flat("learn", 0, 1), 1, 2.0)
+    assert reader.poll() == 1
+    chunk(store, flat("learn", 0, 2), 2, 4.0)
+    assert reader.poll() == 1 and reader.poll() == 0
+    assert reader.metrics().get("s/x").values.tolist() == [2.0, 4.0]
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def log_batch(self, run_id, metrics):  # noqa: ARG002 - MlflowClient's signature
+        self.batches.append(metrics)
+
+
+def monitor(store) -> Monitor:
+    cfg = RunConfig.model_validate({"tracking": {"enabled": False}})
+    lr = SimpleNamespace(cfg=cfg, store=store, keys=KEYS, run_id="r1")
+    m = Monitor(lr, progress_bar=False)
+    m.client, m.mlflow = RecordingClient(), "mlflow-run"
+    return m
+
+
+def test_the_forwarder_sends_each_chunk_once_and_a_restart_resumes_from_its_marks(tmp_path):
+    store = CountingStore(tmp_path)
+    old = write_history(store, [("learn", 0), ("rollout", 0)], 30)
+    first = monitor(store)
+    first._forward()
+    assert sum(len(b) for b in first.client.batches) == 60
+    new = chunk(store, flat("rollout", 0, 30), 30)
+    second = monitor(store)  # the runner was restarted: its marks come from the store
+    store.listed = []
+    second._forward()
+    second._forward()
+    assert [[m.step for m in b] for b in second.client.batches] == [[30]]
+    # what the two polls listed: at most a page of each writer's oldest chunks, never all
+    assert new in store.listed and len(set(store.listed) & set(old)) <= 2 * 16
+
+
+def test_the_tick_reads_the_newest_evaluation_once(tmp_path):
+    store = CountingStore(tmp_path)
+    m = monitor(store)
+    assert m._last_eval() is None
+    store.put_json(KEYS.eval_summary(10), {"pass_at_1": 0.5})
+    store.put_json(latest_key(KEYS), {"version": 10})
+    assert m._last_eval() == (10, {"pass_at_1": 0.5})
+    store.put_json(KEYS.eval_summary(10), {"pass_at_1": 0.0})  # not read again
+    assert m._last_eval() == (10, {"pass_at_1": 0.5}) and store.listings == 0
+
+
+def test_next_wanted_version():
+    # every 10 of 25 steps: 0, 10, 20, then the last one, 25
+    assert [next_wanted(v, 10, 25) for v in (0, 7, 10, 20, 24, 25)] == [10, 10, 20, 25, 25, None]
+
+
+def test_the_schedule_owes_the_lowest_unevaluated_version_without_listing(tmp_path):
+    store = CountingStore(tmp_path)
+    for v in (0, 20):  # an older run evaluated 0 and 20, not 10
+        store.put_json(KEYS.eval_summary(v), {"version": v})
+    s = Schedule(store, KEYS, every=10, total=25)
+    listings = store.listings
+    assert s.due(9) is None and s.due(10) == 10
+    s.advance()  # 10 done; 20 was done: 25 is owed next
+    assert s.due(24) is None and s.due(25) == 25
+    s.advance()
+    assert s.next is None and s.due(10_000) is None
+    assert store.listings == listings == 1
+
+
+def test_backlog_counts_written_shards_the_learner_has_not_taken(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put_json(KEYS.state("learn", "progress.json"), {"processed_by_worker": {"1": 4}})
+    store.put_json(KEYS.state("learn", "buffered.json"), {"1": 2})
+    # worker 1 reserved sequence numbers 0..9: 10 - 4 committed - 2 buffered = 4 waiting
+    assert backlog(store, KEYS, 1, 10) == 4
+    assert backlog(store, KEYS, 0, 3) == 3  # nothing of worker 0 taken yet
