@@ -39,6 +39,7 @@ def test_stages_share_cores_unless_pinned(tmp_path):
                                "pipeline.local.share_cores=true"])
     env, cpus = run.placement("rollout")
     assert cpus == {0} and "SHARDRL_CORE_SHARE" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # stages share cores: no spinning threads
     assert run.placement("learn")[1] == {1}
     env, cpus = run.placement("evaluate")
     assert cpus is None and env["SHARDRL_CORE_SHARE"] == str(tmp_path / "cores")
