@@ -112,8 +112,13 @@ def test_the_reader_accumulates_the_points_of_new_chunks_only(tmp_path):
     chunk(store, flat("learn", 0, 1), 1, 2.0)
     assert reader.poll() == 1
     chunk(store, flat("learn", 0, 2), 2, 4.0)
-    assert reader.poll() == 1 and reader.poll() == 0
-    assert reader.metrics().get("s/x").values.tolist() == [2.0, 4.0]
+    chunk(store, flat("rollout", 0, 2), 2, 1.0)
+    assert reader.poll() == 2 and reader.poll() == 0
+    # step 1: 2.0; step 2: the mean of 4.0 (learn) and 1.0 (rollout), read in one poll
+    assert reader.metrics().get("s/x").values.tolist() == [2.0, 2.5]
+    chunk(store, flat("rollout", 0, 3), 2, 7.0)  # a later chunk at an earlier step
+    assert reader.poll() == 1
+    assert reader.metrics().get("s/x").values.tolist() == [2.0, 4.0]  # (4 + 1 + 7) / 3
 
 
 class RecordingClient:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,16 +49,45 @@ class Series:
         return Series(self.name, self.steps[ok], self.values[ok])
 
 
+class Reducer:
+    """Points reduced per (name, step) as they arrive, in memory that grows with the steps,
+    not the points: their count, sum and maximum, and whether all were finite."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, dict[int, list]] = defaultdict(dict)
+        """name -> step -> [count, sum, max, all finite]"""
+
+    def add(self, name: str, step: int, value: float) -> None:
+        value = float(value)
+        cell = self.cells[name].get(int(step))
+        if cell is None:
+            self.cells[name][int(step)] = [1, value, value, math.isfinite(value)]
+        else:
+            cell[0] += 1
+            cell[1] += value
+            cell[2] = max(cell[2], value)
+            cell[3] = cell[3] and math.isfinite(value)
+
+    def series(self, name: str) -> Series:
+        """One value per step: mean of that step's points (max for maxima and counters, when
+        all of the step's points are finite)."""
+        cells = self.cells[name]
+        use_max = name.endswith(_MAX_SUFFIXES)
+        ordered = sorted(cells)
+        reduced = [c[2] if use_max and c[3] else c[1] / c[0] for c in map(cells.get, ordered)]
+        return Series(name, np.asarray(ordered, dtype=np.int64),
+                      np.asarray(reduced, dtype=np.float64))
+
+    def metrics(self) -> Metrics:
+        return Metrics({name: self.series(name) for name in self.cells})
+
+
 def reduce_points(name: str, steps: Iterable[int], values: Iterable[float]) -> Series:
     """One value per step: mean of that step's points (max for maxima and counters)."""
-    by_step: dict[int, list[float]] = defaultdict(list)
+    reducer = Reducer()
     for s, v in zip(steps, values, strict=True):
-        by_step[int(s)].append(float(v))
-    use_max = name.endswith(_MAX_SUFFIXES)
-    ordered = sorted(by_step)
-    reduced = [max(by_step[s]) if use_max and all(np.isfinite(by_step[s]))
-               else float(np.mean(by_step[s])) for s in ordered]
-    return Series(name, np.asarray(ordered, dtype=np.int64), np.asarray(reduced, dtype=np.float64))
+        reducer.add(name, s, v)
+    return reducer.series(name)
 
 
 class Metrics:
@@ -68,11 +98,10 @@ class Metrics:
 
     @classmethod
     def from_points(cls, points: Iterable[Point]) -> Metrics:
-        grouped: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        reducer = Reducer()
         for name, step, value in points:
-            grouped[name][0].append(int(step))
-            grouped[name][1].append(float(value))
-        return cls({n: reduce_points(n, s, v) for n, (s, v) in grouped.items()})
+            reducer.add(name, step, value)
+        return reducer.metrics()
 
     def get(self, name: str) -> Series | None:
         return self.series.get(name)
@@ -143,23 +172,24 @@ class ChunkTail:
 
 
 class ChunkReader:
-    """Reads a run's metric chunks incrementally: each chunk once, points accumulated."""
+    """Reads a run's metric chunks incrementally: each chunk once, reduced as it comes."""
 
     def __init__(self, store: Store, keys: RunKeys) -> None:
         self.store = store
         self.tail = ChunkTail(store, keys)
-        self.points: list[Point] = []
+        self.reducer = Reducer()
 
     def poll(self) -> int:
         """Read the chunks written since the last poll; returns how many were new."""
         new = self.tail.poll()
         for key in new:
-            self.points += read_chunk(self.store, key)
+            for name, step, value in read_chunk(self.store, key):
+                self.reducer.add(name, step, value)
             self.tail.take([key])
         return len(new)
 
     def metrics(self) -> Metrics:
-        return Metrics.from_points(self.points)
+        return self.reducer.metrics()
 
 
 def load_store_metrics(store: Store, keys: RunKeys) -> Metrics:
