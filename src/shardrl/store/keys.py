@@ -219,7 +219,8 @@ def metrics_writer(key: str) -> str:
     no worker. ValueError for a key outside a run's `metrics/<stage>/`."""
     m = _WRITER.match(key) if isinstance(key, str) else None
     if m is None:
-        raise ValueError(f"not a metrics chunk key: {key!r} (expected runs/<run>/metrics/<stage>/...)")
+        raise ValueError(
+            f"not a metrics chunk key: {key!r} (expected runs/<run>/metrics/<stage>/...)")
     return f"{m['stage']}/{m['writer'].removesuffix('.parquet')}"
 
 
