@@ -412,6 +412,7 @@ def main() -> None:
             print(f"{scale} {part}: stage/bare tokens/s median {ratios['ratio']['median']:.3f}"
                   f" (paired per step {ratios['ratio_step_median']['median']:.3f})")
     summary["bench_seconds"] = time.monotonic() - started
+    shutil.rmtree(WORK / "cache", ignore_errors=True)  # each stage process cached its model
     merge_results("overhead", summary)
 
 
