@@ -51,7 +51,7 @@ VARIANTS: dict[str, list[str]] = {
 def stage_metric(run_dir: Path, stage: str, name: str) -> list[tuple[int, float, float]]:
     """(step, value, unix time) of one metric of one stage, in time order."""
     rows = []
-    for chunk in (run_dir / "metrics" / stage).glob("*.parquet"):
+    for chunk in (run_dir / "metrics" / stage).rglob("*.parquet"):
         t = pq.read_table(chunk).to_pydict()
         rows += [(s, v, w) for n, s, v, w in zip(t["name"], t["step"], t["value"], t["time"],
                                                   strict=True) if n == f"{stage}/{name}"]

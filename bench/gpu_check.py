@@ -171,7 +171,7 @@ def metric_means(store: Path, run_id: str, names: list[str]) -> dict[str, float]
     import pyarrow.parquet as pq
 
     values: dict[str, list[float]] = {n: [] for n in names}
-    for f in sorted((store / "runs" / run_id / "metrics").glob("*/*.parquet")):
+    for f in sorted((store / "runs" / run_id / "metrics").rglob("*.parquet")):
         t = pq.read_table(f)
         for n, v in zip(t.column("name").to_pylist(), t.column("value").to_pylist(), strict=True):
             if n in values:

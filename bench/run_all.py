@@ -21,6 +21,8 @@ BENCHES = [
     ["bench.store_bench"],
     ["bench.async_bench", "--repeats", "2"],
     ["bench.trl_bench", "--repeats", "1"],
+    ["bench.overhead_bench", "--repeats", "3"],
+    ["bench.growth_bench"],
 ]
 
 Row = tuple[str, str, str, str]
@@ -69,6 +71,36 @@ def _trl(r: dict) -> Iterator[Row]:
            f"{r['trl']['samples_per_s']['median']:.1f}")
 
 
+def _overhead(r: dict) -> Iterator[Row]:
+    for size in ("demo", "large"):
+        m = r[size]["model"]
+        shape = f"{size} model (hidden {m['hidden_size']}, {m['num_layers']} layers)"
+        for stage, bare in (("learn", "bare torch loop"), ("rollout", "bare generate")):
+            d = r[size][stage]
+            steady = f", steady {d['ratio_steady']['median']:.2f}" if "ratio_steady" in d else ""
+            yield ("overhead", f"{shape}: {stage} stage tokens/s / {bare}", ">= 0.90",
+                   f"{d['ratio']['median']:.2f}{steady} (min {d['ratio']['min']:.2f}, "
+                   f"max {d['ratio']['max']:.2f})")
+
+
+GROWTH_TARGETED = ("learn_discovery_admission", "score_poll", "prepare_poll", "rollout_checks",
+                   "evaluate_poll", "forwarder_tick_bucketed", "doctor_read_bucketed")
+
+
+def _growth(r: dict) -> Iterator[Row]:
+    for backend, b in r["backends"].items():
+        objects = f"{b['objects']:,} objects" if "objects" in b else ""
+        for poll, p in b["polls"].items():
+            target = "<= 1.5" if poll in GROWTH_TARGETED else ""
+            yield ("growth", f"{backend} ({objects}): {poll} late / fresh", target,
+                   f"{p['ratio']:.2f}")
+
+
+def _memory(r: dict) -> Iterator[Row]:
+    for stage, mb in r["peak_rss_mb"].items():
+        yield "memory", f"demo: peak RSS of {stage}", "", f"{mb:.0f} MiB"
+
+
 def _demo(r: dict) -> Iterator[Row]:
     for row in r["rows"]:
         yield (f"demo seed {row['seed']}", "pass@1 SFT -> RL (SFT continued as control)", "",
@@ -76,7 +108,8 @@ def _demo(r: dict) -> Iterator[Row]:
 
 
 SECTIONS: dict[str, Callable[[dict], Iterator[Row]]] = {
-    "algo": _algo, "store": _store, "async": _async, "trl": _trl, "demo_control": _demo,
+    "algo": _algo, "store": _store, "async": _async, "trl": _trl, "overhead": _overhead,
+    "growth": _growth, "memory": _memory, "demo_control": _demo,
 }
 
 
@@ -98,6 +131,20 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def record_memory() -> None:
+    """Peak RSS per stage of the newest demo run (the TRL benchmark runs the demo)."""
+    from bench.results import merge_results
+    from bench.trl_bench import WORK as DEMO_RUNS
+
+    summaries = sorted((DEMO_RUNS / "runs").glob("*/state/runner/summary.json"),
+                       key=lambda p: p.stat().st_mtime)
+    if summaries:
+        peaks = json.loads(summaries[-1].read_text()).get("peak_rss_mb")
+        if peaks:
+            merge_results("memory", {"peak_rss_mb": peaks,
+                                     "run": summaries[-1].parents[2].name})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-only", action="store_true", help="rewrite RESULTS.md only")
@@ -112,6 +159,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", *bench], check=True)
             seconds[bench[0].removeprefix("bench.")] = time.monotonic() - started
         merge_results("run_all", {"seconds": seconds})
+        record_memory()
     text = table()
     (RESULTS.parent / "RESULTS.md").write_text(text)
     print(text)

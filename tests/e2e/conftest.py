@@ -51,7 +51,7 @@ def learner_metric(store: Path, run_id: str, name: str) -> list[float]:
     import pyarrow.parquet as pq
 
     values = []
-    for f in sorted((store / "runs" / run_id / "metrics" / "learn").glob("*.parquet")):
+    for f in sorted((store / "runs" / run_id / "metrics" / "learn").rglob("*.parquet")):
         t = pq.read_table(f)
         values += [v for n, v in zip(t.column("name").to_pylist(), t.column("value").to_pylist(),
                                      strict=True) if n == f"learn/{name}"]

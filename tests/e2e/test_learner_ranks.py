@@ -145,7 +145,7 @@ def test_two_zero3_ranks_match_the_torch_learner_and_resume(tmp_path: Path):
     assert counts[0] == counts[1] == {"consumed": 24, "filtered": 0}
     # one writer: every metrics chunk is rank 0's, one set of points per step
     steps = []
-    for chunk in (multi / keys.root / "metrics" / "learn").glob("*.parquet"):
+    for chunk in (multi / keys.root / "metrics" / "learn").rglob("*.parquet"):
         t = pq.read_table(chunk)
         steps += [s for n, s in zip(t.column("name").to_pylist(), t.column("step").to_pylist(),
                                     strict=True) if n == "learn/grad_norm"]

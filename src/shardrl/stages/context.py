@@ -81,8 +81,8 @@ class MetricsSink:
             "stage": [self.stage] * len(names), "name": list(names), "step": list(steps),
             "value": list(values), "time": list(times),
         })
-        chunk = f"w{self.worker:02d}-{time.time_ns() // 1000:016d}"
-        write_shard(self.store, self.keys.metrics(self.stage, chunk), table, METRICS)
+        key = self.keys.metrics_chunk(self.stage, self.worker, time.time_ns() // 1000)
+        write_shard(self.store, key, table, METRICS)
         self._rows.clear()
         self._last_flush = time.monotonic()
 
