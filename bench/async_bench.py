@@ -99,13 +99,13 @@ def summarize(rows: dict[str, list[dict]], cores: int) -> dict:
                                            "step_s_max": max(r["step_s"] for r in rs)}
                               for v, rs in rows.items()}}
     p0, p8 = med["pinned_k0"], med["pinned_k8"]
-    g, l = p0["g_s"], p0["l_s"]
-    ideal = (g + l) / max(g, l)
+    g, u = p0["g_s"], p0["l_s"]  # generation and update time of one step
+    ideal = (g + u) / max(g, u)
     achieved = p0["step_s"] / p8["step_s"]
-    out["disaggregated"] = {"g_s": g, "l_s": l, "ideal": ideal, "speedup": achieved,
+    out["disaggregated"] = {"g_s": g, "l_s": u, "ideal": ideal, "speedup": achieved,
                             "fraction_of_ideal": achieved / ideal}
     sync = med["shared_k0_all_threads"]["step_s"]
-    bound = sync / ((g + l) / cores)
+    bound = sync / ((g + u) / cores)
     out["shared"] = {
         "sync_all_threads_step_s": sync,
         "speedup_fixed_split": sync / med["shared_k8_fixed_split"]["step_s"],

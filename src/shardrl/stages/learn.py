@@ -6,6 +6,12 @@ optimizer checkpoint when due, `state/learn/progress.json` (the learner's resuma
 the commit point), then `policy/LATEST.json`. A restarted learner resumes from progress.json:
 versions stay continuous and no shard is consumed twice.
 
+The step's store writes run in that order on a background thread while the next batch is
+read and computed; at most one commit is in flight, and the learner waits for it before the
+next commit, before DONE.json and before it exits. The weights and optimizer state are
+serialized before the next update changes them. A crash can lose only the commit in flight,
+which a restart redoes from the previous progress.json, as before.
+
 Under `torchrun` (DeepSpeed with `learner.backend.ranks > 1`) rank 0 is the leader: it alone
 lists, admits, logs and writes to the store. Before each update it broadcasts the step's plan
 (the shards that make the batch, the version, the KL coefficient); the other ranks read those
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,13 +40,15 @@ from ..store.schemas import READY
 from ..store.shards import read_or_quarantine, read_shard
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context import StageContext
-from .policy import fetch_weights, load_policy, point_latest, publish_weights
+from .policy import fetch_weights, load_policy, point_latest, publish_weight_bytes
 from .progress import progress_key, read_progress
 from .scan import Scanner, shard_name
 from .update import compute_loss
 
 BACKEND_STATE, CRITIC = "backend", "critic"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
+WEIGHTS = "weights"
+"""Key of the new version's weights among a commit's serialized files (not a checkpoint file)."""
 
 
 FILTERED_LIMIT = 8
@@ -103,6 +113,9 @@ class Learner:
                                lambda v: set(self.ledger.get(v, ())))
         self.buffer: list[tuple[str, pa.Table]] = []
         """(key, table) of read shards not yet committed, oldest version first."""
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
+        self.pending: Future | None = None
+        """The store writes in flight (one commit, or a buffered.json update)."""
         self.busy_s = 0.0
         self.started = time.monotonic()
         from ..doctor.live import LiveDoctor
@@ -151,8 +164,19 @@ class Learner:
     def publish_buffered(self) -> None:
         """Tell rollout workers which of their shards wait in the buffer (backlog accounting)."""
         counts: Counter[int] = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
-        self.ctx.store.put_json(self.ctx.keys.state("learn", "buffered.json"),
-                                {str(w): n for w, n in counts.items()})
+        self._submit(self.ctx.store.put_json, self.ctx.keys.state("learn", "buffered.json"),
+                     {str(w): n for w, n in counts.items()})
+
+    def _submit(self, write: Callable, *args) -> None:
+        """Queue store writes behind the ones in flight, which must end first (order kept)."""
+        self._wait()
+        self.pending = self.writer.submit(write, *args)
+
+    def _wait(self) -> None:
+        """Wait for the writes in flight; their error, if any, is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -160,6 +184,10 @@ class Learner:
         try:
             return self._lead()
         finally:
+            try:
+                self._wait()
+            finally:
+                self.writer.shutdown(wait=True)
             # stop the followers, unless they are inside a collective this rank left by an
             # error: then this rank's exit ends the whole torchrun world
             if self.backend.world_size > 1 and not self.in_step:
@@ -192,6 +220,7 @@ class Learner:
                 if ctx.once and ctx.done():
                     return 0
                 time.sleep(lc.poll_interval_s)
+        self._wait()
         ctx.store.put_json(ctx.keys.done(), {
             "steps": self.version, "counts": dict(self.counts), "time": time.time(),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
@@ -265,10 +294,10 @@ class Learner:
     def sync(self, stepped: bool) -> dict[str, bytes]:
         """The collective part of a commit, on every rank in the same order.
 
-        With an applied step the version advances and the full weights are gathered; the
-        leader publishes them. When a checkpoint is due, the backend's full optimizer state
-        (and the critic's weights) are gathered too and returned as checkpoint files (on the
-        leader; the others return {}).
+        With an applied step the version advances and the full weights are gathered and
+        serialized (`WEIGHTS`). When a checkpoint is due, the backend's full optimizer state
+        (and the critic's weights) are gathered too, as checkpoint files. The leader gets the
+        bytes to write; the others return {}.
         """
         files: dict[str, bytes] = {}
         if not stepped:
@@ -276,8 +305,7 @@ class Learner:
         self.version += 1
         with self.backend.gathered():
             if self.leader:
-                publish_weights(self.ctx.store, self.ctx.keys, self.version, self.model,
-                                point=False)
+                files[WEIGHTS] = state_dict_bytes(self.model)
         if self.version % self.cfg.learner.ckpt_every == 0:
             state = self.backend.state_dict()
             if self.backend.critic is not None:
@@ -288,9 +316,15 @@ class Learner:
         return files if self.leader else {}
 
     def commit(self, batch: list[tuple[str, pa.Table, str]], stepped: bool) -> None:
-        """Publish (if the step was applied) and record the batch's shards in the ledger."""
+        """Publish (if the step was applied) and record the batch's shards in the ledger.
+
+        The state is captured now; the writes, in the commit order, go to the background
+        writer (see the module docstring).
+        """
         store, keys = self.ctx.store, self.ctx.keys
         files = self.sync(stepped)
+        version = self.version
+        weights = files.pop(WEIGHTS, None)
         delta = []
         for key, table, outcome in batch:
             sk = parse_shard_key(key)
@@ -305,27 +339,37 @@ class Learner:
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
         self.buffer = self.buffer[len(batch):]
-        self.publish_buffered()  # before progress.json: a reader undercounts, never overcounts
+        buffered = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
-        store.put_json(keys.state("learn", f"ledger-{self.commits:06d}.json"),
-                       {"version": self.version, "shards": delta})
-        if files:
-            save_checkpoint(store, keys, self.version, {}, files, self.cfg.learner.keep_checkpoints)
-        store.put_json(progress_key(keys), {
-            "version": self.version, "commits": self.commits, "counts": dict(self.counts),
+        ledger_key = keys.state("learn", f"ledger-{self.commits:06d}.json")
+        progress = {
+            "version": version, "commits": self.commits, "counts": dict(self.counts),
             "processed_by_worker": {str(k): v for k, v in self.by_worker.items()},
             "staleness": {str(k): v for k, v in self.staleness.items()},
             "ledger": {str(k): v for k, v in self.ledger.items()},
             "kl": self.kl.state_dict(), "beta": self.kl.beta, "time": time.time(),
-        })
-        if stepped:
-            point_latest(store, keys, self.version, {"step": self.version})
-            self._collect_garbage()
+        }
 
-    def _collect_garbage(self) -> None:
+        def write() -> None:
+            if weights is not None:
+                publish_weight_bytes(store, keys, version, weights)
+            # buffered.json before progress.json: a reader undercounts, never overcounts
+            store.put_json(keys.state("learn", "buffered.json"),
+                           {str(w): n for w, n in buffered.items()})
+            store.put_json(ledger_key, {"version": version, "shards": delta})
+            if files:
+                save_checkpoint(store, keys, version, {}, files, self.cfg.learner.keep_checkpoints)
+            store.put_json(progress_key(keys), progress)
+            if stepped:
+                point_latest(store, keys, version, {"step": version})
+                self._collect_garbage(version)
+
+        self._submit(write)
+
+    def _collect_garbage(self, version: int) -> None:
         """Delete policy versions no admissible shard, evaluation or promotion can need."""
-        old = self.version - self.cfg.learner.max_staleness - 2
+        old = version - self.cfg.learner.max_staleness - 2
         if old > 0 and old % self.cfg.eval.every != 0:
             for key in self.ctx.store.list(self.ctx.keys.policy_prefix(old)):
                 self.ctx.store.delete(key)

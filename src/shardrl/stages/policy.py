@@ -19,7 +19,6 @@ from ..models.io import (
     load_causal_lm,
     load_state_dict_from_safetensors,
     load_tokenizer,
-    state_dict_bytes,
 )
 from ..store import RunKeys, Store
 
@@ -61,15 +60,11 @@ def download_folder(store: Store, prefix: str, dest: Path) -> Path:
     return dest
 
 
-def publish_weights(store: Store, keys: RunKeys, version: int, model: torch.nn.Module,
-                    point: bool = True) -> None:
-    """Publish `model`'s weights as policy `version` (then move LATEST to it if `point`)."""
-    data = state_dict_bytes(model)
+def publish_weight_bytes(store: Store, keys: RunKeys, version: int, data: bytes) -> None:
+    """Publish safetensors bytes (`state_dict_bytes`) as policy `version`, with its manifest."""
     store.put_bytes(keys.policy_file(version, WEIGHTS), data)
     store.put_json(keys.policy_file(version, MANIFEST),
                    {"files": {WEIGHTS: _sha(data)}, "base": 0, "time": time.time()})
-    if point:
-        point_latest(store, keys, version)
 
 
 def point_latest(store: Store, keys: RunKeys, version: int, extra: dict | None = None) -> None:
