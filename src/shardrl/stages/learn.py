@@ -47,8 +47,6 @@ from .update import compute_loss
 
 BACKEND_STATE, CRITIC = "backend", "critic"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
-WEIGHTS = "weights"
-"""Key of the new version's weights among a commit's serialized files (not a checkpoint file)."""
 
 
 FILTERED_LIMIT = 8
@@ -161,11 +159,15 @@ class Learner:
                     return n
         return None
 
+    def buffered_counts(self) -> dict[str, int]:
+        """{worker: shards of that rollout worker waiting in the buffer} (buffered.json)."""
+        counts = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
+        return {str(w): n for w, n in counts.items()}
+
     def publish_buffered(self) -> None:
         """Tell rollout workers which of their shards wait in the buffer (backlog accounting)."""
-        counts: Counter[int] = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
         self._submit(self.ctx.store.put_json, self.ctx.keys.state("learn", "buffered.json"),
-                     {str(w): n for w, n in counts.items()})
+                     self.buffered_counts())
 
     def _submit(self, write: Callable, *args) -> None:
         """Queue store writes behind the ones in flight, which must end first (order kept)."""
@@ -254,7 +256,7 @@ class Learner:
         self.commit(batch, stepped=applied)
         self.in_step = False
         committed = time.monotonic()
-        wall = time.monotonic() - self.started
+        wall = committed - self.started
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
         metrics.update(
             beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
@@ -291,21 +293,21 @@ class Learner:
         metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
         return applied, metrics
 
-    def sync(self, stepped: bool) -> dict[str, bytes]:
+    def sync(self, stepped: bool) -> tuple[bytes | None, dict[str, bytes]]:
         """The collective part of a commit, on every rank in the same order.
 
         With an applied step the version advances and the full weights are gathered and
-        serialized (`WEIGHTS`). When a checkpoint is due, the backend's full optimizer state
-        (and the critic's weights) are gathered too, as checkpoint files. The leader gets the
-        bytes to write; the others return {}.
+        serialized. When a checkpoint is due, the backend's full optimizer state (and the
+        critic's weights) are gathered too, as checkpoint files. Returns (weights, checkpoint
+        files) for the leader to write; (None, {}) on the other ranks or without a step.
         """
-        files: dict[str, bytes] = {}
+        weights, files = None, {}
         if not stepped:
-            return files
+            return weights, files
         self.version += 1
         with self.backend.gathered():
             if self.leader:
-                files[WEIGHTS] = state_dict_bytes(self.model)
+                weights = state_dict_bytes(self.model)
         if self.version % self.cfg.learner.ckpt_every == 0:
             state = self.backend.state_dict()
             if self.backend.critic is not None:
@@ -313,7 +315,7 @@ class Learner:
                     critic = state_dict_bytes(self.backend.critic.critic) if self.leader else b""
                 files[CRITIC] = critic
             files[BACKEND_STATE] = st_save(state) if self.leader else b""
-        return files if self.leader else {}
+        return (weights, files) if self.leader else (None, {})
 
     def commit(self, batch: list[tuple[str, pa.Table, str]], stepped: bool) -> None:
         """Publish (if the step was applied) and record the batch's shards in the ledger.
@@ -322,9 +324,8 @@ class Learner:
         writer (see the module docstring).
         """
         store, keys = self.ctx.store, self.ctx.keys
-        files = self.sync(stepped)
+        weights, files = self.sync(stepped)
         version = self.version
-        weights = files.pop(WEIGHTS, None)
         delta = []
         for key, table, outcome in batch:
             sk = parse_shard_key(key)
@@ -339,7 +340,7 @@ class Learner:
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
         self.buffer = self.buffer[len(batch):]
-        buffered = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
+        buffered = self.buffered_counts()
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
         ledger_key = keys.state("learn", f"ledger-{self.commits:06d}.json")
@@ -355,8 +356,7 @@ class Learner:
             if weights is not None:
                 publish_weight_bytes(store, keys, version, weights)
             # buffered.json before progress.json: a reader undercounts, never overcounts
-            store.put_json(keys.state("learn", "buffered.json"),
-                           {str(w): n for w, n in buffered.items()})
+            store.put_json(keys.state("learn", "buffered.json"), buffered)
             store.put_json(ledger_key, {"version": version, "shards": delta})
             if files:
                 save_checkpoint(store, keys, version, {}, files, self.cfg.learner.keep_checkpoints)
