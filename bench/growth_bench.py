@@ -50,6 +50,7 @@ from shardrl.doctor.series import ChunkReader, Reducer
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import StageContext
 from shardrl.stages.evaluate import Schedule, latest_key
+from shardrl.stages.progress import read_progress
 from shardrl.stages.rollout import backlog
 from shardrl.stages.scan import Scanner, output_names
 from shardrl.store import LocalStore, RunKeys, Store, read_or_quarantine
@@ -156,7 +157,6 @@ def run_objects(rk: RunKeys, versions: int, history: bool) -> Objects:
             "counts": {"consumed": 64 * SHARDS_PER_VERSION * v_new, "filtered": 0},
             "processed_by_worker": {str(w): 5 * v_new for w in range(WORKERS)},
             "staleness": {str(lag): 1000 for lag in range(K + 1)}},
-        rk.state("learn", "buffered.json"): {"0": 2},
         **{rk.state(stage, "cursor.json"): {"low": low} for stage in ("score", "prepare", "learn")},
         **{rk.state("rollout", f"w{w:02d}.json"): {"next_seq": 5 * v_new + 2,
                                                  "version": low if w == 0 else v_new}
@@ -234,7 +234,7 @@ def polls(store: Store, run: str, versions: int, cfg: RunConfig) -> dict[str, Ca
         "score_poll": lambda: score.poll(versions),
         "prepare_poll": lambda: prepare.poll(versions),
         "rollout_checks": lambda: (ctx.done(), ctx.latest_version(),
-                                   backlog(store, rk, 1, 5 * versions + 2)),
+                                   backlog(read_progress(store, rk), 1, 5 * versions + 2, None)),
         "evaluate_poll": evaluate,
     }
     for suffix, keys in (("flat", rk), ("bucketed", rkb)):

@@ -67,7 +67,8 @@ def config_text(scale: str, steps: int, shards: int) -> str:
     source = {"kind": "tiny", **SCALES[scale], "max_position_embeddings": 32}
     return (f"extends: demo\nname: overhead-{scale}\n"
             f"model: {{source: {source}, sft: {{enabled: false}}}}\n"
-            f"rollout: {{max_backlog_shards: {shards}, poll_interval_s: 0.05}}\n"
+            f"rollout: {{max_backlog_steps: {shards}, postprocess: stages, "
+            f"poll_interval_s: 0.05}}\n"
             f"learner: {{total_steps: {steps}, max_staleness: 100000}}\n"
             f"eval: {{every: {steps}}}\ntracking: {{enabled: false}}\n").replace("'", "")
 

@@ -28,7 +28,7 @@ from kfp.dsl.base_component import BaseComponent
 from components import STAGE_IMAGES, image_ref, stage_component
 from shardrl import __version__
 from shardrl.config import RunConfig, load_config
-from shardrl.orchestrate.graph import STAGES, StageSpec, stage
+from shardrl.orchestrate.graph import StageSpec, active
 
 from .cluster import DEFAULT_STORE, STAGE_SECRETS
 
@@ -108,16 +108,18 @@ def _add_stage(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None,
 
 def _async_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
     tasks: dict[str, dsl.PipelineTask] = {}
-    for spec in STAGES:
+    for spec in active(cfg):
         upstream = [tasks[name] for name in spec.after]
         tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params, upstream, once=False)
 
 
 def _sync_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
     """Stages before the loop, the looping stages chained in graph order per round, the rest."""
-    looping = [s for s in STAGES if s.loops]
-    before = [s for s in STAGES if not s.loops and not any(stage(a).loops for a in s.after)]
-    after = [s for s in STAGES if not s.loops and s not in before]
+    stages = active(cfg)
+    looping = [s for s in stages if s.loops]
+    before = [s for s in stages if not s.loops and not any(a in {x.name for x in looping}
+                                                          for a in s.after)]
+    after = [s for s in stages if not s.loops and s not in before]
     tasks: dict[str, dsl.PipelineTask] = {}
     for spec in before:
         tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params,

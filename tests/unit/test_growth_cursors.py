@@ -183,10 +183,11 @@ def test_the_schedule_owes_the_lowest_unevaluated_version_without_listing(tmp_pa
     assert store.listings == listings == 1
 
 
-def test_backlog_counts_written_shards_the_learner_has_not_taken(tmp_path):
-    store = LocalStore(tmp_path)
-    store.put_json(KEYS.state("learn", "progress.json"), {"processed_by_worker": {"1": 4}})
-    store.put_json(KEYS.state("learn", "buffered.json"), {"1": 2})
-    # worker 1 reserved sequence numbers 0..9: 10 - 4 committed - 2 buffered = 4 waiting
-    assert backlog(store, KEYS, 1, 10) == 4
-    assert backlog(store, KEYS, 0, 3) == 3  # nothing of worker 0 taken yet
+def test_backlog_counts_kept_groups_the_learner_has_not_committed():
+    progress = {"groups_by_worker": {"1": 40}, "kept_groups_by_worker": {"1": 10}}
+    # worker 1 wrote 16 kept groups (exact, inline post-processing): 16 - 10 committed
+    assert backlog(progress, 1, 64, 16) == 6
+    # unknown keep counts: 64 groups written, 40 committed of which a quarter kept
+    assert backlog(progress, 1, 64, None) == (64 - 40) * 0.25
+    assert backlog(progress, 0, 3, None) == 3  # nothing of worker 0 committed: rate 1
+    assert backlog(progress, 1, 64, 5) == 0  # never negative

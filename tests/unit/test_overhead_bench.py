@@ -94,7 +94,7 @@ def test_config_is_the_demo_at_the_scale_without_sft(tmp_path: Path):
     assert (cfg.model.source.hidden_size, cfg.model.source.num_layers) == (256, 4)
     assert not cfg.model.sft.enabled
     assert cfg.learner.total_steps == 10 and cfg.learner.max_staleness >= 10
-    assert cfg.rollout.max_backlog_shards == 12
+    assert cfg.rollout.max_backlog_steps == 12 and cfg.rollout.postprocess == "stages"
     # the rest is the demo's: B=16 groups of 8, 8 prompts per shard, 8 new tokens
     assert (cfg.learner.batch_prompts, cfg.rollout.group_size) == (16, GROUP_SIZE)
     assert (cfg.rollout.prompts_per_shard, cfg.rollout.max_new_tokens) == (GROUPS, RESPONSE)

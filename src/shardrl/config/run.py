@@ -76,6 +76,9 @@ class RunConfig(Section):
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "
                 "or set `algo.advantages.estimator: gae`"
             )
+        if self.rollout.postprocess == "inline" and (reason := self.inline_blocker()):
+            errors.append(f"`rollout.postprocess: inline` {reason}: set "
+                          "`rollout.postprocess: stages` (or auto)")
         if errors:
             raise ValueError("; ".join(errors))
         return self
@@ -89,3 +92,25 @@ class RunConfig(Section):
         """Short stable hash of the resolved config (registry tags, run ids)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+    def inline_blocker(self) -> str | None:
+        """Why scoring and prepare cannot run inside the rollout workers, or None."""
+        if self.algo.kl.placement != "none":
+            return "cannot compute reference logprobs (KL is on)"
+        if self.reward.reward_model is not None:
+            return "cannot run a reward model"
+        npr = self.algo.filters.no_positive_resampling.enabled
+        if self.rollout.workers > 1 and (self.algo.shaping.normalize or npr):
+            return ("with several rollout workers cannot share the reward statistics or the "
+                    "pass-rate history across them")
+        return None
+
+    @property
+    def inline_postprocess(self) -> bool:
+        """Whether each rollout worker scores and prepares its own shards (no score and
+        prepare stages); see `rollout.postprocess`."""
+        mode = self.rollout.postprocess
+        if mode != "auto":
+            return mode == "inline"
+        sandboxed = any(v.sandboxed or v.name == "python_exec" for v in self.reward.verifiers)
+        return self.inline_blocker() is None and not sandboxed

@@ -26,10 +26,20 @@ class RolloutConfig(Section):
     """Nucleus sampling."""
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Response length limit; a response hitting it has finish_reason 'length'."""
-    max_backlog_shards: int = Field(4, ge=1, le=100_000)
-    """Pause while more than this many shards per worker wait to be consumed by the learner."""
+    max_backlog_steps: int = Field(1, ge=0, le=100_000)
+    """Flow control in the unit the learner consumes: a worker pauses while the prompt groups
+    kept by filtering that it wrote and the learner has not yet committed fill this many
+    learner steps beyond the one being trained (the worker's share of `batch_prompts` each).
+    Never more than `max_staleness` steps, so `k: 0` stays synchronous."""
+    postprocess: Literal["auto", "inline", "stages"] = "auto"
+    """Where scoring and prepare run. `inline`: inside each rollout worker, which writes the
+    same rollout, scored and ready shards (no extra processes, no hops between them); it
+    needs verifier rewards without a reward model, no reference logprobs (`algo.kl.placement:
+    none`) and, with several workers, neither reward normalization nor No-Positive-Resampling
+    (their statistics span all workers). `stages`: as the score and prepare stages. `auto`:
+    inline when allowed and the verifiers are not sandboxed, else stages."""
     poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
-    """Sleep between checks while paused."""
+    """Longest wait between checks while paused (a commit by the learner wakes it sooner)."""
     threads: int = Field(1, ge=1, le=512)
     """Torch threads per rollout worker on CPU."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
@@ -40,14 +50,14 @@ class PrepareConfig(Section):
     """Reward shaping, advantages and filtering of scored shards."""
 
     poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
-    """Sleep between listings when there is nothing to do."""
+    """Longest wait between listings when there is nothing to do (a commit wakes it sooner)."""
 
 
 class ScoreConfig(Section):
     """Reward computation."""
 
     poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
-    """Sleep between listings when there is nothing to do."""
+    """Longest wait between listings when there is nothing to do (a commit wakes it sooner)."""
     threads: int = Field(1, ge=1, le=512)
     """Torch threads (reward model, reference logprobs)."""
 
@@ -111,7 +121,7 @@ class LearnerConfig(Section):
     threads: int = Field(1, ge=1, le=512)
     """Torch threads on CPU."""
     poll_interval_s: float = Field(0.1, gt=0.0, le=600.0)
-    """Sleep between listings while waiting for data."""
+    """Longest wait between listings while waiting for data (a commit wakes it sooner)."""
     doctor_every: int = Field(10, ge=1, le=1_000_000)
     """Run the live doctor every this many steps."""
 
@@ -130,7 +140,7 @@ class EvalConfig(Section):
     threads: int = Field(1, ge=1, le=512)
     """Torch threads on CPU."""
     poll_interval_s: float = Field(0.5, gt=0.0, le=600.0)
-    """Sleep between checks for new versions."""
+    """Longest wait between checks for new versions (a published version wakes it sooner)."""
 
 
 class PromoteConfig(Section):

@@ -23,6 +23,11 @@ class StageSpec:
     """Stages that must have finished before this one starts."""
     description: str
 
+    def enabled(self, cfg: RunConfig) -> bool:
+        """Whether the run has this stage: score and prepare run inside the rollout workers
+        when `cfg.inline_postprocess` (see `rollout.postprocess`)."""
+        return not (self.name in INLINE and cfg.inline_postprocess)
+
     def replicas(self, cfg: RunConfig) -> int:
         """Number of parallel workers of this stage."""
         return cfg.rollout.workers if self.name == "rollout" else 1
@@ -67,8 +72,16 @@ STAGES: tuple[StageSpec, ...] = (
               "registers the chosen checkpoint in the model registry and moves aliases"),
 )
 
+INLINE = ("score", "prepare")
+"""Stages the rollout workers can run inline (`rollout.postprocess`)."""
+
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 LOOPING: tuple[str, ...] = tuple(s.name for s in STAGES if s.loops)
+
+
+def active(cfg: RunConfig) -> tuple[StageSpec, ...]:
+    """The stages a run with `cfg` has, in graph order."""
+    return tuple(s for s in STAGES if s.enabled(cfg))
 
 
 def stage(name: str) -> StageSpec:

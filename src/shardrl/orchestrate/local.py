@@ -20,7 +20,7 @@ from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import RunKeys, Store, StoreUnavailable, open_store
-from .graph import LOOPING, STAGES, entrypoint, stage
+from .graph import active, entrypoint, stage
 from .rss import PeakRss, record
 
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -198,8 +198,8 @@ def run(args) -> int:
                 print(f"snapshot failed (exit {code}): see {lr.log_dir / 'snapshot.log'}",
                       file=sys.stderr)
                 return code if code == EXIT_STORE_UNAVAILABLE else 1
-        for spec in STAGES:
-            if spec.name in LOOPING:
+        for spec in active(lr.cfg):
+            if spec.loops:
                 for w in range(spec.replicas(lr.cfg)):
                     lr.procs.append(lr.start(spec.name, w))
         code = supervise(lr, monitor, lambda: interrupted)

@@ -42,7 +42,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .context import StageContext
 from .policy import fetch_weights, load_policy, point_latest, publish_weight_bytes
 from .progress import progress_key, read_progress
+from .inline import kept_groups
 from .scan import Scanner, shard_name
+from .staleness import admitted, effective_k, gc_horizon
 from .update import compute_loss
 
 BACKEND_STATE, CRITIC = "backend", "critic"
@@ -62,8 +64,10 @@ class Learner:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         cfg, store, keys = ctx.cfg, ctx.store, ctx.keys
+        published = store.watch(keys.root + "policy/", depth=0)
         while ctx.latest_version() is None:
-            time.sleep(cfg.learner.poll_interval_s)
+            published.wait(cfg.learner.poll_interval_s)
+        published.close()
         self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
         self.model.train()
         self.pad_id = tok.pad_token_id
@@ -81,6 +85,10 @@ class Learner:
         self.commits = int(state.get("commits", 0))
         self.counts = Counter(state.get("counts", {}))
         self.by_worker = Counter({int(k): v for k, v in state.get("processed_by_worker", {}).items()})
+        self.groups_by_worker = Counter(
+            {int(k): v for k, v in state.get("groups_by_worker", {}).items()})
+        self.kept_by_worker = Counter(
+            {int(k): v for k, v in state.get("kept_groups_by_worker", {}).items()})
         self.staleness = Counter({int(k): v for k, v in state.get("staleness", {}).items()})
         self.ledger: dict[int, list[str]] = {int(k): v for k, v in state.get("ledger", {}).items()}
         if "kl" in state:
@@ -107,13 +115,18 @@ class Learner:
         if self.backend.world_size > 1:
             ctx.log.info("rank %d of %d%s", self.backend.rank, self.backend.world_size,
                          " (leader)" if self.leader else "")
+        # with inline post-processing the rollout workers close versions themselves
         self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
-                               lambda v: set(self.ledger.get(v, ())))
+                               lambda v: set(self.ledger.get(v, ())),
+                               upstream=None if cfg.inline_postprocess else "prepare")
+        self.arrivals = store.watch(keys.kind_prefix("ready"))
+        self.hops: list[float] = []
+        """Seconds from each admitted shard's generation to its reading, since the last step."""
         self.buffer: list[tuple[str, pa.Table]] = []
         """(key, table) of read shards not yet committed, oldest version first."""
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
         self.pending: Future | None = None
-        """The store writes in flight (one commit, or a buffered.json update)."""
+        """The store writes in flight (one commit)."""
         self.busy_s = 0.0
         self.started = time.monotonic()
         from ..doctor.live import LiveDoctor
@@ -123,21 +136,20 @@ class Learner:
     # -- admission --------------------------------------------------------------------------
     def k(self) -> int:
         lc = self.cfg.learner
-        if lc.halve_staleness_at is not None and self.version >= lc.halve_staleness_at * lc.total_steps:
-            return lc.max_staleness // 2
-        return lc.max_staleness
+        return effective_k(lc.max_staleness, self.version, lc.total_steps, lc.halve_staleness_at)
 
     def admit(self, key: str) -> None:
         table = read_or_quarantine(self.ctx.store, key, READY, "learn")
         if table is None:
             self.ctx.log.warning("quarantined %s", key)
             return
+        self.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
         self.buffer.append((key, table))
 
     def outcome(self, key: str) -> str:
         """"stale" if the shard's policy version lags the learner's by more than k, at this step."""
-        lag = self.version - parse_shard_key(key).version
-        return "stale" if lag > self.k() else "admitted"
+        return ("admitted" if admitted(self.version, parse_shard_key(key).version, self.k())
+                else "stale")
 
     def next_batch(self) -> int | None:
         """How many buffered shards (from the front) make the next step, None if too few.
@@ -158,16 +170,6 @@ class Learner:
                 if len(kept) >= b or len(total) >= FILTERED_LIMIT * b:
                     return n
         return None
-
-    def buffered_counts(self) -> dict[str, int]:
-        """{worker: shards of that rollout worker waiting in the buffer} (buffered.json)."""
-        counts = Counter(parse_shard_key(k).worker for k, _ in self.buffer)
-        return {str(w): n for w, n in counts.items()}
-
-    def publish_buffered(self) -> None:
-        """Tell rollout workers which of their shards wait in the buffer (backlog accounting)."""
-        self._submit(self.ctx.store.put_json, self.ctx.keys.state("learn", "buffered.json"),
-                     self.buffered_counts())
 
     def _submit(self, write: Callable, *args) -> None:
         """Queue store writes behind the ones in flight, which must end first (order kept)."""
@@ -212,16 +214,16 @@ class Learner:
             new = [k for k in self.scanner.poll(self.version) if k not in buffered]
             for key in new:
                 self.admit(key)
+            if new:
+                self.arrivals.reset()
             if (n := self.next_batch()) is not None:
                 self.step(n)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
-            elif new:
-                self.publish_buffered()
-            else:
+            elif not new:
                 if ctx.once and ctx.done():
                     return 0
-                time.sleep(lc.poll_interval_s)
+                self.arrivals.wait(lc.poll_interval_s)
         self._wait()
         ctx.store.put_json(ctx.keys.done(), {
             "steps": self.version, "counts": dict(self.counts), "time": time.time(),
@@ -266,12 +268,21 @@ class Learner:
             update_s=updated - started, commit_s=committed - updated,
             busy_fraction=self.busy_s / max(wall, 1e-9),
             stale_dropped=float(self.counts["stale_dropped"]),
+            **self._hop_metrics(),
             skipped_steps=float(self.counts["skipped_steps"]),
         )
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % lc.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
             self.doctor.check(self.version)
+
+    def _hop_metrics(self) -> dict[str, float]:
+        """Hand-off latency of the shards read since the last step (generation to reading)."""
+        hops, self.hops = self.hops, []
+        if not hops:
+            return {}
+        hops.sort()
+        return {"hop_s": hops[len(hops) // 2], "hop_max_s": hops[-1]}
 
     def update(self, kept: pa.Table, beta: float) -> tuple[bool, dict[str, float]]:
         """One optimizer step on the kept rows at the current version (every rank).
@@ -337,16 +348,19 @@ class Learner:
                 self.counts["consumed"] += kept
                 self.counts["filtered"] += rows - kept
             self.by_worker[sk.worker] += 1
+            self.groups_by_worker[sk.worker] += len(pc.unique(table.column("group_id")))
+            self.kept_by_worker[sk.worker] += kept_groups(table)
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
         self.buffer = self.buffer[len(batch):]
-        buffered = self.buffered_counts()
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
         ledger_key = keys.state("learn", f"ledger-{self.commits:06d}.json")
         progress = {
             "version": version, "commits": self.commits, "counts": dict(self.counts),
             "processed_by_worker": {str(k): v for k, v in self.by_worker.items()},
+            "groups_by_worker": {str(k): v for k, v in self.groups_by_worker.items()},
+            "kept_groups_by_worker": {str(k): v for k, v in self.kept_by_worker.items()},
             "staleness": {str(k): v for k, v in self.staleness.items()},
             "ledger": {str(k): v for k, v in self.ledger.items()},
             "kl": self.kl.state_dict(), "beta": self.kl.beta, "time": time.time(),
@@ -355,8 +369,6 @@ class Learner:
         def write() -> None:
             if weights is not None:
                 publish_weight_bytes(store, keys, version, weights)
-            # buffered.json before progress.json: a reader undercounts, never overcounts
-            store.put_json(keys.state("learn", "buffered.json"), buffered)
             store.put_json(ledger_key, {"version": version, "shards": delta})
             if files:
                 save_checkpoint(store, keys, version, {}, files, self.cfg.learner.keep_checkpoints)
@@ -369,7 +381,7 @@ class Learner:
 
     def _collect_garbage(self, version: int) -> None:
         """Delete policy versions no admissible shard, evaluation or promotion can need."""
-        old = version - self.cfg.learner.max_staleness - 2
+        old = gc_horizon(version, self.cfg.learner.max_staleness)
         if old > 0 and old % self.cfg.eval.every != 0:
             for key in self.ctx.store.list(self.ctx.keys.policy_prefix(old)):
                 self.ctx.store.delete(key)

@@ -22,7 +22,7 @@ from .progress import read_progress
 from .scan import Scanner, output_names, process_shards, shard_name
 
 STATE = "state.json"
-RECENT = 4096  # merged shard names remembered for exact recovery after a crash
+RECENT = 1024  # merged shard names remembered for exact recovery after a crash
 
 
 def main(ctx: StageContext) -> int:
@@ -43,27 +43,32 @@ def main(ctx: StageContext) -> int:
 class Preparer:
     """Holds the running reward statistics and pass-rate history; both survive restarts."""
 
-    def __init__(self, ctx: StageContext) -> None:
+    def __init__(self, ctx: StageContext, state: str = STATE) -> None:
         self.ctx = ctx
         npr = ctx.cfg.algo.filters.no_positive_resampling
         self.moments = RunningMoments()
-        self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
-                                       min_samples=npr.min_samples)
+        self.tracker = None
+        """Pass-rate history per prompt, kept (and persisted) only for No-Positive-Resampling."""
+        if npr.enabled:
+            self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
+                                           min_samples=npr.min_samples)
         self.recent: list[str] = []
-        self.state_key = ctx.keys.state("prepare", STATE)
+        self.state_key = ctx.keys.state("prepare", state)
         if ctx.store.exists(self.state_key):
             state = ctx.store.get_json(self.state_key)
             self.moments.load_state_dict(state["moments"])
-            self.tracker.load_state_dict(state["tracker"])
+            if self.tracker is not None and state.get("tracker"):
+                self.tracker.load_state_dict(state["tracker"])
             self.recent = state["recent"]
 
-    def recover(self, low: int, newest: int) -> None:
-        """Merge statistics of ready shards written just before a crash but not yet saved."""
+    def recover(self, low: int, newest: int, only: str = "") -> None:
+        """Merge statistics of ready shards written just before a crash but not yet saved
+        (of those whose name starts with `only`)."""
         known = set(self.recent)
         keys = self.ctx.keys
         for version in range(low, newest + 1):
             for key in self.ctx.store.list(keys.version_prefix("ready", version)):
-                if shard_name(key) not in known:
+                if shard_name(key) not in known and shard_name(key).startswith(only):
                     self.ctx.log.info("recovering statistics of %s", key)
                     self.merged(shard_name(key), read_shard(self.ctx.store, key, READY),
                                 update_moments=True)
@@ -132,14 +137,28 @@ class Preparer:
         if update_moments and self.ctx.cfg.algo.shaping.normalize:
             valid = [r not in INVALID for r in ready.column("filter_reason").to_pylist()]
             self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()[valid]))
-        self.tracker.update(ready.column("prompt_id").to_pylist(), ready.column("correct").to_pylist())
-        self.recent = (self.recent + [name])[-RECENT:]
+        self.save(self.record(name, ready))
+
+    def record(self, name: str, ready: pa.Table) -> dict:
+        """Add a ready shard to the pass-rate history; the state to `save` once it is written."""
+        self.recent = (self.recent + [shard_name(name)])[-RECENT:]
         state = {"moments": {k: float(v) for k, v in self.moments.state_dict().items()},
-                 "tracker": self.tracker.state_dict(), "recent": self.recent}
+                 "recent": self.recent}
+        if self.tracker is not None:
+            self.tracker.update(ready.column("prompt_id").to_pylist(),
+                                ready.column("correct").to_pylist())
+            state |= {"tracker": self.tracker.state_dict(),
+                      "retired": sorted(self.tracker.retired())}
+        return state
+
+    def save(self, state: dict) -> None:
+        """Persist a state from `record` (the retired prompts beside it, when resampling is on)."""
+        state = dict(state)
+        retired = state.pop("retired", None)
         self.ctx.store.put_json(self.state_key, state)
-        if self.ctx.cfg.algo.filters.no_positive_resampling.enabled:
+        if retired is not None:
             self.ctx.store.put_json(self.ctx.keys.state("prepare", "retired.json"),
-                                    {"prompt_ids": sorted(self.tracker.retired())})
+                                    {"prompt_ids": retired})
 
     def _kl_seq(self, table: pa.Table) -> torch.Tensor:
         behaviour = torch.from_numpy(padded_column(table, "behavior_logprobs"))
@@ -155,14 +174,15 @@ class Preparer:
         valid = [r not in INVALID for r in table.column("filter_reason").to_pylist()]
         total = table.column("reward_total").to_numpy()[valid]
         version = int(table.column("policy_version")[0].as_py())
-        rates = [r for r in (self.tracker.pass_rate(p) for p in
-                             set(table.column("prompt_id").to_pylist())) if r is not None]
         values = {
             "effective_sample_rate": float(keep.float().mean()),
             "filter_rate": float(1.0 - keep.float().mean()),
-            "retired_prompts": float(len(self.tracker.retired())),
-            "prompt_pass_rate_mean": float(np.mean(rates)) if rates else 0.0,
         }
+        if self.tracker is not None:
+            rates = [r for r in (self.tracker.pass_rate(p) for p in
+                                 set(table.column("prompt_id").to_pylist())) if r is not None]
+            values["retired_prompts"] = float(len(self.tracker.retired()))
+            values["prompt_pass_rate_mean"] = float(np.mean(rates)) if rates else 0.0
         if len(adv):  # none when every row of the shard is invalid
             values.update({
                 "reward_total_mean": float(total.mean()), "reward_total_std": float(total.std()),

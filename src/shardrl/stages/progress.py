@@ -12,7 +12,8 @@ def progress_key(keys: RunKeys) -> str:
 
 
 def read_progress(store: Store, keys: RunKeys) -> dict:
-    """{step, version, processed_by_worker: {"0": shards}, beta}; empty before the first step."""
+    """{version, counts, processed_by_worker: {"0": shards}, groups_by_worker: {"0": prompt
+    groups}, kept_groups_by_worker, beta, ...}; empty before the first commit."""
     key = progress_key(keys)
     return store.get_json(key) if store.exists(key) else {}
 
@@ -21,9 +22,3 @@ def shards_per_step(batch_prompts: int, prompts_per_shard: int, workers: int) ->
     """Rollout shards each worker must produce for one learner step."""
     shards = -(-batch_prompts // prompts_per_shard)
     return -(-shards // workers)
-
-
-def buffered_shards(store: Store, keys: RunKeys, worker: int) -> int:
-    """Shards of `worker` the learner has read but not yet committed (waiting for a batch)."""
-    key = keys.state("learn", "buffered.json")
-    return int(store.get_json(key).get(str(worker), 0)) if store.exists(key) else 0

@@ -14,7 +14,8 @@ from ..store.shards import write_shard
 from ..tasks.source import make_task
 from .context import StageContext
 from .engine import PolicyEngine
-from .progress import buffered_shards, read_progress, shards_per_step
+from .progress import read_progress
+from .staleness import backlog_cap, effective_k, keep_rate, kept_backlog, worker_share
 
 MAX_EMPTY_SHARDS = 20
 """Rollout shards in a row whose every prompt was too long before the stage gives up."""
@@ -26,56 +27,75 @@ def main(ctx: StageContext) -> int:
     task = make_task(cfg)
     state_key = keys.state("rollout", f"w{ctx.worker:02d}.json")
     state = store.get_json(state_key) if store.exists(state_key) else {"next_seq": 0}
-    per_step = shards_per_step(cfg.learner.batch_prompts, rc.prompts_per_shard, ctx.workers)
-    # synchronous training (k=0) must not run ahead of the learner by more than one step
-    backlog_cap = min(rc.max_backlog_shards, (cfg.learner.max_staleness + 1) * per_step)
+    post = None
+    if cfg.inline_postprocess:
+        from .inline import InlinePostprocess
+
+        post = InlinePostprocess(ctx)
+        post.recover(int(state.get("version", 0)), ctx.latest_version() or 0)
+    flow = Flow(ctx, state, exact=post is not None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     written, paused, skipped = 0, False, 0
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
     last: Future | None = None
-    while not ctx.done():
-        if ctx.once and written >= per_step:
-            break
-        waiting = backlog(store, keys, ctx.worker, state["next_seq"])
-        if not ctx.once and waiting >= backlog_cap:
-            if not paused:
-                ctx.log.info("backlog of %d shards: pausing", waiting)
-                paused = True
-            time.sleep(rc.poll_interval_s)
-            continue
-        paused = False
-        engine.ensure(ctx.latest_version())
-        seq = state["next_seq"]
-        # reserve the sequence number first: a crash leaves a gap, never two shards with one name
-        state = {"next_seq": seq + 1, "version": engine.version}
-        reserved = writer.submit(store.put_json, state_key, state)
-        items = _fitting(ctx, engine, _prompts(ctx, task, seq), seq)
-        if not items:
-            skipped += 1
-            if skipped >= MAX_EMPTY_SHARDS:
-                raise RuntimeError(
-                    f"{skipped} rollout shards in a row had only prompts longer than the context "
-                    f"({engine.context} tokens with max_new_tokens {rc.max_new_tokens}): shorten "
-                    "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
-            continue
-        skipped = 0
-        started = time.monotonic()
-        with ctx.cores.busy():
-            prompt_ids = engine.encode([it.prompt for it in items])
-            groups = engine.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
-                                            top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
-                                            seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
-        seconds = time.monotonic() - started
-        table = _table(ctx, engine, items, prompt_ids, groups, seq)
-        if last is not None:
-            last.result()  # the previous shard is stored (or its error surfaces here)
-        last = writer.submit(_write_reserved, reserved, store,
-                             keys.rollout(engine.version, ctx.worker, seq), table)
-        written += 1
-        _log_metrics(ctx, engine.version, table, seconds)
-    writer.shutdown()  # waits for the writes still queued
+    try:
+        while not ctx.done():
+            if ctx.once and flow.round_done(written):
+                break
+            progress = read_progress(store, keys)
+            if not ctx.once and flow.full(progress):
+                if not paused:
+                    ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
+                    paused = True
+                flow.pause(rc.poll_interval_s)
+                continue
+            paused = False
+            # progress.json is written after the weights it names and just before LATEST.json
+            engine.ensure(max(ctx.latest_version() or 0, int(progress.get("version", 0))))
+            seq = state["next_seq"]
+            # reserve the sequence number first: a crash leaves a gap, never two shards with one name
+            state = {"next_seq": seq + 1, "version": engine.version, **flow.state()}
+            reserved = writer.submit(store.put_json, state_key, state)
+            items = _fitting(ctx, engine, _prompts(ctx, task, seq), seq)
+            if not items:
+                skipped += 1
+                if skipped >= MAX_EMPTY_SHARDS:
+                    raise RuntimeError(
+                        f"{skipped} rollout shards in a row had only prompts longer than the context "
+                        f"({engine.context} tokens with max_new_tokens {rc.max_new_tokens}): shorten "
+                        "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
+                continue
+            skipped = 0
+            started = time.monotonic()
+            with ctx.cores.busy():
+                prompt_ids = engine.encode([it.prompt for it in items])
+                groups = engine.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
+                                                top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
+                                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
+            seconds = time.monotonic() - started
+            table = _table(ctx, engine, items, prompt_ids, groups, seq)
+            key = keys.rollout(engine.version, ctx.worker, seq)
+            if post is not None:
+                with ctx.cores.busy():
+                    scored, ready = post.process(table)
+                prep_state = post.preparer.record(key, ready)
+                flow.wrote(len(items), ready)
+                job = (_write_inline, reserved, post, key, table, scored, ready, prep_state)
+            else:
+                flow.wrote(len(items), None)
+                job = (_write_reserved, reserved, store, key, table)
+            flow.busy(time.monotonic() - started)
+            if last is not None:
+                last.result()  # the previous shard is stored (or its error surfaces here)
+            last = writer.submit(*job)
+            written += 1
+            _log_metrics(ctx, engine.version, table, seconds, flow)
+    finally:
+        writer.shutdown()  # waits for the writes still queued
+        if post is not None:
+            post.flush()
     if last is not None:
         last.result()
     return 0
@@ -87,13 +107,84 @@ def _write_reserved(reserved: Future, store: Store, key: str, table: pa.Table) -
     write_shard(store, key, table, ROLLOUT)
 
 
-def backlog(store: Store, keys: RunKeys, worker: int, next_seq: int) -> int:
-    """Shards `worker` has reserved (its next sequence number) that the learner has neither
-    committed (`progress.json`) nor buffered (`buffered.json`): two small objects, read
-    before each shard, whose size does not grow with the run."""
-    progress = read_progress(store, keys)
-    processed = int(progress.get("processed_by_worker", {}).get(str(worker), 0))
-    return next_seq - processed - buffered_shards(store, keys, worker)
+def _write_inline(reserved: Future, post, key: str, table: pa.Table, scored: pa.Table,
+                  ready: pa.Table, prep_state: dict) -> None:
+    """The rollout, scored and ready shards of one reservation, in pipeline order."""
+    reserved.result()
+    post.write(key, table, scored, ready, prep_state)
+
+
+def backlog(progress: dict, worker: int, groups_written: int, kept_written: int | None) -> float:
+    """Kept prompt groups `worker` wrote that the learner has not committed, from the
+    learner's `progress.json` (whose size does not grow with the run). `kept_written` None:
+    unknown (score and prepare run as stages), estimated from the worker's keep rate so far."""
+    w = str(worker)
+    groups_done = int(progress.get("groups_by_worker", {}).get(w, 0))
+    kept_done = int(progress.get("kept_groups_by_worker", {}).get(w, 0))
+    if kept_written is not None:
+        return kept_backlog(kept_written, kept_done)
+    rate = keep_rate(kept_done, groups_done)
+    return kept_backlog(groups_written * rate, groups_done * rate)
+
+
+class Flow:
+    """A worker's flow control, counted in prompt groups kept by filtering (the unit the
+    learner consumes): pause while the kept groups this worker wrote and the learner has
+    not committed reach `staleness.backlog_cap`. With inline post-processing the worker
+    knows each shard's kept groups; otherwise it estimates them with the keep rate of its
+    groups the learner committed so far."""
+
+    def __init__(self, ctx: StageContext, state: dict, exact: bool) -> None:
+        self.ctx, self.exact = ctx, exact
+        self.groups = int(state.get("groups_written", 0))
+        self.kept = int(state.get("kept_written", 0))
+        self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)
+        self.started = time.monotonic()
+        self.busy_s = 0.0
+        self.round_kept = 0
+
+    def state(self) -> dict:
+        """What the worker's state file records (the counts before the reserved shard)."""
+        return {"groups_written": self.groups, "kept_written": self.kept}
+
+    def wrote(self, groups: int, ready: pa.Table | None) -> None:
+        from .inline import kept_groups
+
+        kept = kept_groups(ready) if ready is not None else groups
+        self.groups += groups
+        self.kept += kept
+        self.round_kept += kept
+
+    def backlog(self, progress: dict) -> float:
+        return backlog(progress, self.ctx.worker, self.groups, self.kept if self.exact else None)
+
+    def cap(self, progress: dict) -> int:
+        cfg = self.ctx.cfg
+        lc = cfg.learner
+        k = effective_k(lc.max_staleness, int(progress.get("version", 0)), lc.total_steps,
+                        lc.halve_staleness_at)
+        return backlog_cap(lc.batch_prompts, self.ctx.workers, cfg.rollout.max_backlog_steps, k)
+
+    def full(self, progress: dict) -> bool:
+        return self.backlog(progress) >= self.cap(progress)
+
+    def pause(self, timeout: float) -> None:
+        """Wait for the learner's next commit (or `timeout`)."""
+        self.arrivals.wait(timeout)
+
+    def busy(self, seconds: float) -> None:
+        self.busy_s += seconds
+
+    def busy_fraction(self) -> float:
+        return self.busy_s / max(time.monotonic() - self.started, 1e-9)
+
+    def round_done(self, written: int) -> bool:
+        """`--once`: this worker wrote its share of one step (kept groups when known)."""
+        cfg = self.ctx.cfg
+        share = worker_share(cfg.learner.batch_prompts, self.ctx.workers)
+        if self.exact:
+            return self.round_kept >= share
+        return written * cfg.rollout.prompts_per_shard >= share
 
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:
@@ -118,8 +209,9 @@ def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> 
 
 
 def _wait_for_policy(ctx: StageContext) -> int:
+    published = ctx.store.watch(ctx.keys.root + "policy/", depth=0)
     while (version := ctx.latest_version()) is None:
-        time.sleep(ctx.cfg.rollout.poll_interval_s)
+        published.wait(ctx.cfg.rollout.poll_interval_s)
     return version
 
 
@@ -158,7 +250,8 @@ def _table(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list
     return pa.table(cols)
 
 
-def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float) -> None:
+def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float,
+                 flow: Flow) -> None:
     lengths = np.array([len(r) for r in table.column("response_token_ids").to_pylist()])
     truncated = np.array(table.column("finish_reason").to_pylist()) == "length"
     latest = ctx.latest_version() or version
@@ -172,4 +265,5 @@ def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: floa
         "generate_s": seconds,
         "version_lag": float(latest - version),
         "samples": float(len(lengths)),
+        "busy_fraction": flow.busy_fraction(),
     })

@@ -9,7 +9,6 @@ as its cursor (`state/<stage>/cursor.json`), so downstream stages and restarts s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pyarrow as pa
@@ -18,6 +17,8 @@ from ..store import RunKeys, Store
 from ..store.keys import ShardKind
 
 UPSTREAM = {"score": None, "prepare": "score", "learn": "prepare"}
+"""The stage whose cursor closes versions for each stage (None: the rollout workers). When
+the rollout workers score and prepare inline, the learner's upstream is the workers too."""
 
 
 def shard_name(key: str) -> str:
@@ -43,18 +44,19 @@ class Scanner:
     """Lists the open versions of `src` and returns the keys `handled` does not cover."""
 
     def __init__(self, store: Store, keys: RunKeys, stage: str, src: ShardKind,
-                 rollout_workers: int, handled: Callable[[int], set[str]]) -> None:
+                 rollout_workers: int, handled: Callable[[int], set[str]],
+                 upstream: str | None = "") -> None:
         self.store, self.keys, self.stage, self.src = store, keys, stage, src
         self.rollout_workers = rollout_workers
+        self.upstream = UPSTREAM[stage] if upstream == "" else upstream
         self.handled = handled
         """version -> shard names already handled by this stage (outputs, ledger)."""
         self.low = read_cursor(store, keys, stage)
 
     def upstream_low(self) -> int:
-        upstream = UPSTREAM[self.stage]
-        if upstream is None:
+        if self.upstream is None:
             return rollout_workers_past(self.store, self.keys, self.rollout_workers)
-        return read_cursor(self.store, self.keys, upstream)
+        return read_cursor(self.store, self.keys, self.upstream)
 
     def poll(self, newest: int) -> list[str]:
         """Unhandled input keys of the open versions up to `newest`, oldest version first."""
@@ -102,6 +104,7 @@ def process_shards(ctx, scanner: Scanner, schema: pa.Schema,
     `--once`)."""
     from ..store.shards import read_or_quarantine
 
+    arrivals = ctx.store.watch(ctx.keys.kind_prefix(scanner.src))
     while True:
         finished = ctx.done()
         newest = ctx.latest_version()
@@ -114,5 +117,7 @@ def process_shards(ctx, scanner: Scanner, schema: pa.Schema,
             handle(key, table)
         if finished or (ctx.once and not todo):
             return 0
-        if not todo:
-            time.sleep(poll_interval_s)
+        if todo:
+            arrivals.reset()
+        else:
+            arrivals.wait(poll_interval_s)

@@ -109,6 +109,16 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove the object at `key`; deleting a missing key is not an error."""
 
+    def watch(self, prefix: str, depth: int = 1):
+        """A waiter that wakes when objects may have been committed under `prefix` (folder
+        `depth` levels deep): `watch(...).wait(timeout)` replaces a fixed sleep. This default
+        polls adaptively (`shardrl.store.watch.PollWatch`); stores that can be told about
+        commits override it."""
+        from shardrl.store.watch import PollWatch
+
+        check_prefix(prefix)
+        return PollWatch()
+
     def put_json(self, key: str, obj: Any) -> None:
         """Write `obj` as strict JSON (NaN and infinities are rejected with ValueError)."""
         self.put_bytes(key, json.dumps(obj, indent=2, allow_nan=False).encode("utf-8"))

@@ -52,6 +52,14 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
 
+    def watch(self, prefix: str, depth: int = 1):
+        """Kernel notifications of commits (renames) under the folder `prefix` names."""
+        from shardrl.store.watch import folder_watch
+
+        check_prefix(prefix)
+        base = prefix.rstrip("/")
+        return folder_watch(self.root.joinpath(*base.split("/")) if base else self.root, depth)
+
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
         try:

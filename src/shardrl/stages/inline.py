@@ -1,0 +1,89 @@
+"""Scoring and prepare inside a rollout worker (`rollout.postprocess: inline`).
+
+When rewards come from cheap verifiers and no reference logprobs are needed, the score and
+prepare stages would only add two processes and two store hops per shard. A worker then
+runs the same `Scorer` and `Preparer` on each shard it generates and writes the same three
+shards (`rollouts/`, `scored/`, `ready/`, same name, same schemas) in that order, so the
+learner, the accounting, quarantine and every reader see exactly what the stages would
+have written. Metrics keep their `score/` and `prepare/` names.
+
+A crash can leave a rollout shard whose ready shard was not written: the restarted worker
+finishes those first (`recover`), before it reserves a new sequence number, so the learner
+never closes a version that still owes a ready shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..store.schemas import READY, ROLLOUT, SCORED
+from ..store.shards import read_or_quarantine, write_shard
+from .context import MetricsSink, StageContext
+from .prepare import STATE, Preparer
+from .scan import read_cursor, shard_name
+from .score import Scorer
+
+
+def kept_groups(ready: pa.Table) -> int:
+    """Prompt groups of a ready shard with at least one row kept by filtering."""
+    kept = ready.filter(ready.column("keep"))
+    return len(pc.unique(kept.column("group_id"))) if len(kept) else 0
+
+
+class InlinePostprocess:
+    """The score and prepare work of one rollout worker's shards."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.scorer = Scorer(self._as("score"))
+        state = STATE if ctx.workers == 1 else f"w{ctx.worker:02d}.json"
+        self.preparer = Preparer(self._as("prepare"), state)
+
+    def _as(self, stage: str) -> StageContext:
+        """This worker's context under another stage's name (its metrics keep their names)."""
+        ctx = self.ctx
+        return dataclasses.replace(ctx, stage=stage,
+                                   metrics=MetricsSink(ctx.store, ctx.keys, stage, ctx.worker))
+
+    def process(self, rollout: pa.Table) -> tuple[pa.Table, pa.Table]:
+        """(scored, ready) tables of a rollout table."""
+        scored = self.scorer.score(rollout)
+        return scored, self.preparer.prepare(scored)
+
+    def write(self, key: str, rollout: pa.Table | None, scored: pa.Table, ready: pa.Table,
+              state: dict) -> None:
+        """Write the shards in pipeline order, then the preparer state they advance (the
+        store writer thread runs this; `state` was captured when the shard was prepared)."""
+        store, keys = self.ctx.store, self.ctx.keys
+        if rollout is not None:
+            write_shard(store, key, rollout, ROLLOUT)
+        write_shard(store, keys.scored_for(key), scored, SCORED)
+        write_shard(store, keys.ready_for(key), ready, READY)
+        self.preparer.save(state)
+
+    def recover(self, last_version: int, newest: int) -> None:
+        """Finish this worker's rollout shards that have no ready shard yet (a crash between
+        the writes), and merge preparer statistics of ready shards not yet recorded."""
+        ctx, store, keys = self.ctx, self.ctx.store, self.ctx.keys
+        low = min(read_cursor(store, keys, "learn"), last_version)
+        mine = f"w{ctx.worker:02d}-"
+        for version in range(low, newest + 1):
+            ready = {shard_name(k) for k in store.list(keys.version_prefix("ready", version))}
+            for key in store.list(keys.version_prefix("rollouts", version)):
+                if not shard_name(key).startswith(mine) or shard_name(key) in ready:
+                    continue
+                table = read_or_quarantine(store, key, ROLLOUT, "score")
+                if table is None:
+                    ctx.log.warning("quarantined %s", key)
+                    continue
+                ctx.log.info("finishing %s (no ready shard yet)", key)
+                scored, prepared = self.process(table)
+                self.write(key, None, scored, prepared, self.preparer.record(key, prepared))
+        self.preparer.recover(low, newest, only=mine)
+
+    def flush(self) -> None:
+        for ctx in (self.scorer.ctx, self.preparer.ctx):
+            ctx.metrics.flush()
