@@ -36,7 +36,10 @@ pytestmark = pytest.mark.slow
 STEPS = 16
 SETTINGS = (f"learner.total_steps={STEPS}", "eval.every=4", "eval.samples_per_prompt=4",
             "pipeline.max_restarts=5")
-LOOPING = ("rollout", "score", "prepare", "learn", "evaluate")
+LOOPING = ("rollout", "learn", "evaluate")
+"""The looping stages of the tiny config: its rollout worker scores and prepares inline."""
+STAGED = ("rollout", "score", "prepare", "learn", "evaluate")
+"""The looping stages with `rollout.postprocess: stages` (the outage test runs so)."""
 
 
 # -- driving the runner ---------------------------------------------------------------------

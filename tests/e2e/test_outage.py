@@ -22,7 +22,7 @@ from shardrl.store.base import Retrier
 from shardrl.store.s3 import S3Store
 
 from .test_faults import (
-    LOOPING,
+    STAGED,
     STEPS,
     check_completed,
     finish,
@@ -58,7 +58,7 @@ def test_outages_short_ridden_out_long_fails_clearly_and_resumes(tmp_path, serve
     store = S3Store("shardrl", "runs", server.endpoint, server.access_key, server.secret_key,
                     retry=RetryPolicy(max_attempts=100, deadline_s=120))
     args = run_args(write_config(tmp_path), uri, run_id, f"store.retry.deadline_s={DEADLINE_S}",
-                    "store.retry.max_delay_s=2")
+                    "store.retry.max_delay_s=2", "rollout.postprocess=stages")
     proc, out = start_runner(tmp_path, args, run_id, env=s3_env(server))
     wait_for(lambda: version(store, run_id) >= 3, 400, "learner version 3")
     stopping = time.monotonic()
@@ -71,7 +71,7 @@ def test_outages_short_ridden_out_long_fails_clearly_and_resumes(tmp_path, serve
     wait_for(lambda: version(store, run_id) >= 5, 300, "learner version 5")
     assert proc.poll() is None and "restarting" not in out.read_text()
     logs = tmp_path / ".shardrl" / "runs" / run_id / "logs"
-    for name in LOOPING:
+    for name in STAGED:
         log = (logs / f"{name}.log").read_text()
         began = re.findall(rf"object store .* unavailable .*; retrying for up to {DEADLINE_S} s",
                            log)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = "registry.example.com/team"
 OVERRIDES = [
     "rollout.workers=3",
+    "rollout.postprocess=stages",  # every stage its own task; the inline graph is tested below
     "learner.backend={kind: deepspeed}",
     "learner.total_steps=6",
     "eval.every=3",
@@ -211,6 +212,19 @@ def test_sync_graph_runs_rounds_one_at_a_time(compiled):
         assert tasks[name].loops == [rounds]
     # promote waits for the whole loop of rounds
     assert tasks["promote"].loops == [] and _deps(tasks["promote"]) == {"rounds"}
+
+
+def test_inline_postprocess_drops_score_and_prepare_from_both_graphs(tmp_path):
+    cfg = load_config("demo", ["rollout.workers=2", "learner.total_steps=4", "eval.every=2"])
+    assert cfg.inline_postprocess
+    paths = compile_pipelines(cfg, tmp_path, registry=REGISTRY)
+    for name, path in paths.items():
+        _, tasks = load_compiled(path)
+        assert sorted(tasks) == ["evaluate", "learn", "promote", "rollout", "snapshot"], name
+    tasks = load_compiled(paths["shardrl-sync"])[1]
+    # inside a round the learner waits for the rollout workers, which wrote the ready shards
+    assert _deps(tasks["learn"]) == {"rollout-workers"}
+    assert _deps(tasks["evaluate"]) == {"learn"}
 
 
 def test_parameters_have_defaults_and_descriptions(compiled):

@@ -26,11 +26,14 @@ class RolloutConfig(Section):
     """Nucleus sampling."""
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Response length limit; a response hitting it has finish_reason 'length'."""
-    max_backlog_steps: int = Field(1, ge=0, le=100_000)
+    max_backlog_steps: int = Field(2, ge=0, le=100_000)
     """Flow control in the unit the learner consumes: a worker pauses while the prompt groups
     kept by filtering that it wrote and the learner has not yet committed fill this many
     learner steps beyond the one being trained (the worker's share of `batch_prompts` each).
     Never more than `max_staleness` steps, so `k: 0` stays synchronous."""
+    max_batch_shards: int = Field(8, ge=1, le=4096)
+    """Most shards generated in one batch. A worker generates as many shards at once as its
+    backlog has room for (fewer, larger batches keep the cores busy); 1: shard by shard."""
     postprocess: Literal["auto", "inline", "stages"] = "auto"
     """Where scoring and prepare run. `inline`: inside each rollout worker, which writes the
     same rollout, scored and ready shards (no extra processes, no hops between them); it

@@ -121,7 +121,10 @@ class Learner:
                                upstream=None if cfg.inline_postprocess else "prepare")
         self.arrivals = store.watch(keys.kind_prefix("ready"))
         self.hops: list[float] = []
-        """Seconds from each admitted shard's generation to its reading, since the last step."""
+        """Hand-off latency since the last step: for each shard read while the learner was
+        waiting for data, seconds from its generation to its reading (scoring, prepare and
+        the store writes included; queueing behind a busy learner is not)."""
+        self.waiting = False
         self.buffer: list[tuple[str, pa.Table]] = []
         """(key, table) of read shards not yet committed, oldest version first."""
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
@@ -143,7 +146,8 @@ class Learner:
         if table is None:
             self.ctx.log.warning("quarantined %s", key)
             return
-        self.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
+        if self.waiting:
+            self.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
         self.buffer.append((key, table))
 
     def outcome(self, key: str) -> str:
@@ -216,6 +220,7 @@ class Learner:
                 self.admit(key)
             if new:
                 self.arrivals.reset()
+            self.waiting = False
             if (n := self.next_batch()) is not None:
                 self.step(n)
                 if ctx.once and self.version < lc.total_steps:
@@ -224,6 +229,7 @@ class Learner:
                 if ctx.once and ctx.done():
                     return 0
                 self.arrivals.wait(lc.poll_interval_s)
+                self.waiting = True
         self._wait()
         ctx.store.put_json(ctx.keys.done(), {
             "steps": self.version, "counts": dict(self.counts), "time": time.time(),

@@ -15,7 +15,14 @@ from ..tasks.source import make_task
 from .context import StageContext
 from .engine import PolicyEngine
 from .progress import read_progress
-from .staleness import backlog_cap, effective_k, keep_rate, kept_backlog, worker_share
+from .staleness import (
+    backlog_cap,
+    batch_shards,
+    effective_k,
+    keep_rate,
+    kept_backlog,
+    worker_share,
+)
 
 MAX_EMPTY_SHARDS = 20
 """Rollout shards in a row whose every prompt was too long before the stage gives up."""
@@ -54,44 +61,54 @@ def main(ctx: StageContext) -> int:
             paused = False
             # progress.json is written after the weights it names and just before LATEST.json
             engine.ensure(max(ctx.latest_version() or 0, int(progress.get("version", 0))))
-            seq = state["next_seq"]
-            # reserve the sequence number first: a crash leaves a gap, never two shards with one name
-            state = {"next_seq": seq + 1, "version": engine.version, **flow.state()}
+            # several shards in one generation batch when the backlog has room for them
+            first, n = state["next_seq"], flow.batch(progress)
+            # reserve the sequence numbers first: a crash leaves gaps, never two shards with one name
+            state = {"next_seq": first + n, "version": engine.version, **flow.state()}
             reserved = writer.submit(store.put_json, state_key, state)
-            items = _fitting(ctx, engine, _prompts(ctx, task, seq), seq)
-            if not items:
+            shards = []  # (seq, items) of the batch
+            for seq in range(first, first + n):
+                if items := _fitting(ctx, engine, _prompts(ctx, task, seq), seq):
+                    shards.append((seq, items))
+                    skipped = 0
+                    continue
                 skipped += 1
                 if skipped >= MAX_EMPTY_SHARDS:
                     raise RuntimeError(
                         f"{skipped} rollout shards in a row had only prompts longer than the context "
                         f"({engine.context} tokens with max_new_tokens {rc.max_new_tokens}): shorten "
                         "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
+            if not shards:
                 continue
-            skipped = 0
             started = time.monotonic()
             with ctx.cores.busy():
-                prompt_ids = engine.encode([it.prompt for it in items])
+                prompt_ids = engine.encode([it.prompt for _, items in shards for it in items])
                 groups = engine.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                                 top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
-                                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + seq)
+                                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + first)
             seconds = time.monotonic() - started
-            table = _table(ctx, engine, items, prompt_ids, groups, seq)
-            key = keys.rollout(engine.version, ctx.worker, seq)
-            if post is not None:
-                with ctx.cores.busy():
-                    scored, ready = post.process(table)
-                prep_state = post.preparer.record(key, ready)
-                flow.wrote(len(items), ready)
-                job = (_write_inline, reserved, post, key, table, scored, ready, prep_state)
-            else:
-                flow.wrote(len(items), None)
-                job = (_write_reserved, reserved, store, key, table)
-            flow.busy(time.monotonic() - started)
             if last is not None:
-                last.result()  # the previous shard is stored (or its error surfaces here)
-            last = writer.submit(*job)
-            written += 1
-            _log_metrics(ctx, engine.version, table, seconds, flow)
+                last.result()  # the previous batch is stored (or its error surfaces here)
+            at = 0
+            for seq, items in shards:
+                ids, grouped = prompt_ids[at:at + len(items)], groups[at:at + len(items)]
+                at += len(items)
+                table = _table(ctx, engine, items, ids, grouped, seq)
+                key = keys.rollout(engine.version, ctx.worker, seq)
+                if post is not None:
+                    with ctx.cores.busy():
+                        scored, ready = post.process(table)
+                    prep_state = post.preparer.record(key, ready)
+                    flow.wrote(len(items), ready)
+                    job = (_write_inline, reserved, post, key, table, scored, ready, prep_state)
+                else:
+                    flow.wrote(len(items), None)
+                    job = (_write_reserved, reserved, store, key, table)
+                last = writer.submit(*job)
+                written += 1
+                _log_metrics(ctx, engine.version, table, seconds * len(items) / len(prompt_ids),
+                             flow)
+            flow.busy(time.monotonic() - started)
     finally:
         writer.shutdown()  # waits for the writes still queued
         if post is not None:
@@ -177,6 +194,25 @@ class Flow:
 
     def busy_fraction(self) -> float:
         return self.busy_s / max(time.monotonic() - self.started, 1e-9)
+
+    def kept_per_shard(self) -> float:
+        """Expected kept groups of one shard: this worker's keep rate so far (exact counts
+        inline), or the learner's count of its groups, times prompts per shard."""
+        if self.exact:
+            rate = keep_rate(self.kept, self.groups)
+        else:
+            rate = 1.0
+        return self.ctx.cfg.rollout.prompts_per_shard * rate
+
+    def batch(self, progress: dict) -> int:
+        """Shards to generate in one batch: as many as the backlog has room for."""
+        rc = self.ctx.cfg.rollout
+        if self.ctx.once:
+            share = worker_share(self.ctx.cfg.learner.batch_prompts, self.ctx.workers)
+            room = share - (self.round_kept if self.exact else 0)
+        else:
+            room = self.cap(progress) - self.backlog(progress)
+        return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards)
 
     def round_done(self, written: int) -> bool:
         """`--once`: this worker wrote its share of one step (kept groups when known)."""

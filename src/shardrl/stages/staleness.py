@@ -12,6 +12,8 @@ after one step's worth, which is synchronous training. Policy versions older tha
 
 from __future__ import annotations
 
+import math
+
 
 def effective_k(max_staleness: int, version: int, total_steps: int,
                 halve_at: float | None = None) -> int:
@@ -46,6 +48,14 @@ def keep_rate(kept_processed: int, groups_processed: int, prior: float = 1.0) ->
     committed; `prior` before anything was committed (1.0: assume every group is kept, so
     a worker never overshoots its cap at the start)."""
     return kept_processed / groups_processed if groups_processed else prior
+
+
+def batch_shards(room: float, kept_per_shard: float, max_shards: int) -> int:
+    """Shards a worker generates in one batch: enough to fill `room` kept groups of backlog
+    at `kept_per_shard` each (rounded up), between 1 and `max_shards`."""
+    if kept_per_shard <= 0:
+        return max_shards
+    return max(1, min(max_shards, math.ceil(room / kept_per_shard)))
 
 
 def gc_horizon(learner_version: int, max_staleness: int) -> int:

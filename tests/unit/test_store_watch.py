@@ -1,0 +1,67 @@
+"""Store waits: a commit wakes a waiting stage; nothing else does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from shardrl.store import LocalStore
+from shardrl.store.watch import InotifyWatch, PollWatch
+
+
+def _later(delay: float, action) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay), action()))
+    t.start()
+    return t
+
+
+def test_folder_store_wakes_on_a_commit_in_a_new_version_folder(tmp_path):
+    store = LocalStore(tmp_path)
+    watch = store.watch("runs/r/ready/", depth=1)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    assert watch.wait(0.05) is False  # nothing committed: the full timeout, then False
+    # a new version folder appears (wakes: objects may land before its watch), then a shard
+    t = _later(0.05, lambda: store.put_bytes("runs/r/ready/v000001/w00-000000.parquet", b"x"))
+    started = time.monotonic()
+    assert watch.wait(5.0) is True
+    assert time.monotonic() - started < 2.0
+    t.join()
+    while watch.wait(0.05):  # drain what that commit reported
+        pass
+    # a second shard in the now-watched folder wakes the waiter within milliseconds
+    t = _later(0.05, lambda: store.put_bytes("runs/r/ready/v000001/w00-000001.parquet", b"y"))
+    started = time.monotonic()
+    assert watch.wait(5.0) is True
+    woke = time.monotonic() - started
+    t.join()
+    assert woke < 1.0, woke
+    watch.close()
+
+
+def test_folder_store_ignores_other_prefixes_and_temp_files(tmp_path):
+    store = LocalStore(tmp_path)
+    watch = store.watch("runs/r/state/learn/", depth=0)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    store.put_json("runs/r/state/rollout/w00.json", {"next_seq": 1})  # another folder
+    (tmp_path / "runs/r/state/learn/.progress.json.123.tmp").write_bytes(b"{}")  # a temp file
+    assert watch.wait(0.1) is False
+    store.put_json("runs/r/state/learn/progress.json", {"version": 1})
+    assert watch.wait(1.0) is True
+    watch.close()
+
+
+def test_poll_watch_backs_off_to_the_timeout_and_resets():
+    watch = PollWatch(min_s=0.001)
+    delays = []
+    for _ in range(5):
+        started = time.monotonic()
+        assert watch.wait(0.004) is True
+        delays.append(time.monotonic() - started)
+    assert watch.delay == 0.004  # doubled 1 -> 2 -> 4 ms, then held at the timeout
+    watch.reset()
+    assert watch.delay == 0.001
+    assert delays[0] < delays[-1] + 0.05
