@@ -59,15 +59,21 @@ def learner_metric(store: Path, run_id: str, name: str) -> list[float]:
 
 
 def stage_pids(name: str, run_id: str) -> list[int]:
-    """Processes running `shardrl stage NAME ... --run-id RUN_ID`."""
+    """Processes running stage NAME of run RUN_ID: started as `shardrl stage NAME ... --run-id
+    RUN_ID`, or forked by that run's runner (named `stage:NAME`)."""
+    from shardrl.orchestrate.fork import process_title
+
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            comm = (proc / "comm").read_text().strip()
         except OSError:
             continue
-        if b"stage" in cmd and name.encode() in cmd and run_id.encode() in cmd:
+        if not any(run_id.encode() in c for c in cmd):
+            continue
+        if (b"stage" in cmd and name.encode() in cmd) or comm == process_title(name):
             pids.append(int(proc.name))
     return pids

@@ -91,6 +91,10 @@ class StageResources(Section):
 class LocalConfig(Section):
     """How the local runner places stage processes on this machine's cores."""
 
+    fork: bool = True
+    """Start stages by forking the runner, which imported their modules once, instead of a
+    fresh interpreter each (saves every stage's torch and transformers import, seconds of CPU
+    per stage). The learner's DeepSpeed ranks always start under torchrun."""
     share_cores: bool = False
     """Lend idle stages' cores to busy ones: a busy rollout, learner or evaluator runs on
     `cores // busy stages` threads (at least its configured `threads`)."""

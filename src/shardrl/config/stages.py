@@ -26,7 +26,7 @@ class RolloutConfig(Section):
     """Nucleus sampling."""
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Response length limit; a response hitting it has finish_reason 'length'."""
-    max_backlog_steps: int = Field(2, ge=0, le=100_000)
+    max_backlog_steps: int = Field(1, ge=0, le=100_000)
     """Flow control in the unit the learner consumes: a worker pauses while the prompt groups
     kept by filtering that it wrote and the learner has not yet committed fill this many
     learner steps beyond the one being trained (the worker's share of `batch_prompts` each).

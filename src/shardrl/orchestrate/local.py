@@ -20,6 +20,7 @@ from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import RunKeys, Store, StoreUnavailable, open_store
+from .fork import Forked, fork_stage
 from .graph import active, entrypoint, stage
 from .rss import PeakRss, record
 
@@ -53,7 +54,7 @@ def _die_with_parent():
 class Proc:
     name: str
     worker: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | Forked
     log: Path
     restarts: int = 0
     exit_code: int | None = None
@@ -116,10 +117,13 @@ class LocalRun:
             if cpus is not None:  # before exec: every thread of the stage inherits it
                 os.sched_setaffinity(0, cpus)
 
-        handle = open(log, "a")  # noqa: SIM115 - owned by the child for its lifetime
-        popen = subprocess.Popen(self.command(name, worker), stdout=handle, stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, **env), start_new_session=True,
-                                 preexec_fn=preexec)
+        command = self.command(name, worker)
+        if self.cfg.pipeline.local.fork and command[2] == "shardrl.cli":
+            return Proc(name, worker, fork_stage(command[3:], log, env, name, preexec), log)
+        with open(log, "a") as handle:  # the child keeps its own copy of the descriptor
+            popen = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **env), start_new_session=True,
+                                     preexec_fn=preexec)
         return Proc(name, worker, popen, log)
 
     def run_once(self, name: str) -> int:
@@ -183,6 +187,10 @@ def run(args) -> int:
         print(f"shardrl run: {exc}", file=sys.stderr)
         return EXIT_STORE_UNAVAILABLE
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
+    if lr.cfg.pipeline.local.fork:
+        from .fork import warm
+
+        warm()  # the stages' imports, once: every stage is forked from here
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001

@@ -27,6 +27,7 @@ class Monitor:
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
+            tqdm.monitor_interval = 0  # no monitor thread: the runner forks stages
             self.bar = tqdm(total=self.total, desc="learner", unit="step", file=sys.stderr)
         self.last_line = ""
         self.last_tick = 0.0

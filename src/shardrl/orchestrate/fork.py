@@ -1,0 +1,110 @@
+"""Starting stages by forking the runner (`pipeline.local.fork`).
+
+A fresh interpreter per stage imports torch, transformers and the stage's modules again,
+about 4-5 s of CPU each; on a small machine five stages starting together pay that on shared
+cores before the first step. The runner instead imports the stage modules once (`warm`),
+before any stage starts, and forks a child per stage replica. Each child takes its own
+session, log file, environment and CPU affinity, names itself `stage:NAME`
+(`/proc/PID/comm`), and runs the same `shardrl stage ...` command line in-process.
+
+Forking is safe here because the runner never runs a torch operation (no OpenMP pool to
+inherit) and keeps no threads of its own while it forks: `warm` turns off tqdm's monitor
+thread. CPython takes the import lock around `fork`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+STAGE_MODULES = ("shardrl.stages", "shardrl.stages.snapshot", "shardrl.stages.rollout",
+                 "shardrl.stages.score", "shardrl.stages.prepare", "shardrl.stages.learn",
+                 "shardrl.stages.evaluate", "shardrl.stages.promote")
+
+_PR_SET_NAME = 15
+
+
+def warm() -> None:
+    """Import what the stages import, once, in the runner."""
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread in a process that forks
+    for name in STAGE_MODULES:
+        importlib.import_module(name)
+
+
+def process_title(name: str) -> str:
+    """The `comm` of a forked stage: `stage:NAME`, at most 15 bytes."""
+    return f"stage:{name}"[:15]
+
+
+class Forked:
+    """A forked stage: the part of `subprocess.Popen` the runner uses."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return code
+
+
+def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
+               child_setup: Callable[[], None]) -> Forked:
+    """Run `shardrl ARGV...` in a forked child writing to `log`; `child_setup` runs in the
+    child first (death signal, affinity)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child would write the runner's buffered output again
+    pid = os.fork()
+    if pid:
+        return Forked(pid, argv)
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        child_setup()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.environ.update(env)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.prctl(_PR_SET_NAME, process_title(name).encode(), 0, 0, 0)
+        from ..cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child reports and exits, whatever happened
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
