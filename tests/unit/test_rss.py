@@ -13,8 +13,10 @@ import pytest
 
 from shardrl.orchestrate.rss import (
     SUMMARY_FIELD,
+    TICKS,
     PeakRss,
     descendants,
+    machine_share,
     parent_map,
     record,
     summary_line,
@@ -23,11 +25,15 @@ from shardrl.orchestrate.rss import (
 from shardrl.store import LocalStore, RunKeys
 
 
-def fake_process(proc: Path, pid: int, ppid: int, hwm_kb: int | None, comm: str = "python") -> None:
-    """/proc/<pid>/stat and status as Linux writes them (only the fields read here)."""
+def fake_process(proc: Path, pid: int, ppid: int, hwm_kb: int | None, comm: str = "python",
+                 ticks: tuple[int, int] = (0, 0)) -> None:
+    """/proc/<pid>/stat and status as Linux writes them (the fields read here: ppid, and
+    utime and stime in clock ticks)."""
     d = proc / str(pid)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 4194304 97 0\n")
+    utime, stime = ticks
+    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 4194304 97 0 0 0 "
+                            f"{utime} {stime} 0 0 20 0 1 0\n")
     status = f"Name:\t{comm}\nPPid:\t{ppid}\n"
     if hwm_kb is not None:  # a zombie has no memory lines
         status += f"VmHWM:\t{hwm_kb:>8} kB\nVmRSS:\t{hwm_kb // 2:>8} kB\n"
@@ -88,9 +94,46 @@ def test_record_merges_into_the_summary(tmp_path: Path):
     rss = PeakRss(proc)
     rss.sample([("snapshot", 0, 300)])
     line = record(store, keys, rss)
-    assert store.get_json(key) == {"accounting": {"balanced": True},
+    assert store.get_json(key) == {"accounting": {"balanced": True}, "cpu_s": {"snapshot": 0.0},
                                    SUMMARY_FIELD: {"snapshot": 50.0, "runner": 20.0}}
     assert line == "peak RSS          snapshot 50 MiB, runner 20 MiB"
+
+
+def test_cpu_time_sums_every_process_and_incarnation_and_gives_the_machine_share(tmp_path):
+    proc = fake_proc(tmp_path)
+    hz = TICKS
+    fake_process(proc, 200, 1, 1000, ticks=(3 * hz, 1 * hz))  # learn: 4 s
+    fake_process(proc, 300, 1, 1000, ticks=(5 * hz, 0))  # rollout: 5 s, and its child 1 s
+    fake_process(proc, 301, 300, 1000, ticks=(hz // 2, hz // 2))
+    rss = PeakRss(proc)
+    rss.sample([("learn", 0, 200), ("rollout", 0, 300)])
+    fake_process(proc, 300, 1, 1000, ticks=(7 * hz, 0))  # later: 7 s
+    rss.sample([("learn", 0, 200), ("rollout", 0, 300)])
+    rss.exited("learn", 200, 4.5)  # reaped: the exact figure replaces the last sample
+    fake_process(proc, 400, 1, 1000, ticks=(2 * hz, 0))  # a restarted rollout: 2 s more
+    rss.sample([("rollout", 0, 400)])
+    cpu = rss.stage_cpu_s()
+    assert cpu == {"learn": 4.5, "rollout": 7 + 1 + 2}
+    # 14.5 s of RL-phase work on 2 cores over 10 s; snapshot time is not RL-phase work
+    assert machine_share(cpu | {"snapshot": 30.0}, 10.0, 2) == 0.725
+
+
+def test_record_adds_the_rl_phase_and_its_machine_share(tmp_path: Path):
+    proc = fake_proc(tmp_path)
+    fake_process(proc, os.getpid(), 1, 20_480)
+    fake_process(proc, 200, 1, 1000, ticks=(8 * TICKS, 0))
+    store, keys = LocalStore(str(tmp_path / "store")), RunKeys("r")
+    store.put_json(keys.run_json(), {"created": 100.0, "snapshot_seconds": 5.0})
+    store.put_json(keys.done(), {"time": 115.0, "steps": 3})
+    rss = PeakRss(proc)
+    rss.sample([("learn", 0, 200)])
+    line = record(store, keys, rss)
+    summary = store.get_json(keys.state("runner", "summary.json"))
+    cores = len(os.sched_getaffinity(0))
+    assert summary["rl_wall_s"] == 10.0 and summary["cpu_s"] == {"learn": 8.0}
+    assert summary["machine_share"] == round(8.0 / (cores * 10.0), 3)
+    assert line.endswith(f"learn 8.0 s: {8.0 / (cores * 10.0):.2f} of {cores} cores x 10.0 s "
+                         "(stage start-up included)")
 
 
 def test_without_proc_nothing_is_sampled(tmp_path: Path):

@@ -54,15 +54,18 @@ class Forked:
     def __init__(self, pid: int, args: list[str]) -> None:
         self.pid, self.args = pid, args
         self.returncode: int | None = None
+        self.cpu_s: float | None = None
+        """User + system CPU seconds of the child (and its reaped children), once it exited."""
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                pid, status, usage = os.wait4(self.pid, os.WNOHANG)
             except ChildProcessError:
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
+                self.cpu_s = usage.ru_utime + usage.ru_stime
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -131,10 +131,16 @@ class LocalRun:
         while True:  # sample its memory while it runs: /proc forgets a process on exit
             self.sample_rss([proc])
             with contextlib.suppress(subprocess.TimeoutExpired):
-                return proc.popen.wait(timeout=0.5)
+                code = proc.popen.wait(timeout=0.5)
+                self.sample_rss([proc])  # a forked stage's exact CPU time, now it is reaped
+                return code
 
     def sample_rss(self, procs: list[Proc]) -> None:
+        """Memory and CPU time of the running stages (exact CPU time of reaped forked ones)."""
         self.rss.sample((p.name, p.worker, p.popen.pid) for p in procs if p.popen.poll() is None)
+        for p in procs:
+            if getattr(p.popen, "cpu_s", None) is not None:
+                self.rss.exited(p.name, p.popen.pid, p.popen.cpu_s)
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         for p in self.procs:

@@ -8,6 +8,12 @@ processes of its tree of their peaks; summing high-water marks reached at differ
 gives an upper bound of the tree's true peak. A stage's figure is the sum over its replicas;
 a restarted replica counts with its largest incarnation. Elsewhere than Linux nothing is
 recorded.
+
+The same samples give each stage's CPU time (user + system, /proc/<pid>/stat), summed over
+every process of every incarnation: the work the stage did, which divided by cores x wall
+time is the share of the machine a run used. A process's last moments after its last sample
+are missed, except for forked stages, whose exact figure the runner reads when it reaps
+them (`exited`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,18 @@ def vm_hwm_kb(pid: int, proc: Path = PROC) -> int | None:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     return None
+
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int, proc: Path = PROC) -> float | None:
+    """User + system CPU seconds of `pid` (all its threads), None when it is gone."""
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14 and 15
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def parent_map(proc: Path = PROC) -> dict[int, int]:
@@ -74,6 +92,8 @@ class PeakRss:
         self.enabled = (proc / "self" / "status").exists()
         self.peaks: dict[tuple[str, int], dict[int, dict[int, int]]] = defaultdict(dict)
         """(stage, worker) -> root pid of an incarnation -> pid in its tree -> peak KiB."""
+        self.cpu: dict[str, dict[int, float]] = defaultdict(dict)
+        """stage -> pid -> CPU seconds (largest seen, or exact at exit)."""
 
     def sample(self, running: Iterable[tuple[str, int, int]]) -> None:
         """Read the high-water marks of the trees of `running` (stage, worker, root pid)."""
@@ -87,6 +107,17 @@ class PeakRss:
                 kb = vm_hwm_kb(pid, self.proc)
                 if kb is not None:
                     tree[pid] = max(kb, tree.get(pid, 0))
+                seconds = cpu_seconds(pid, self.proc)
+                if seconds is not None:
+                    self.cpu[name][pid] = max(seconds, self.cpu[name].get(pid, 0.0))
+
+    def exited(self, name: str, pid: int, cpu_s: float) -> None:
+        """A stage process was reaped and its exact CPU time (with its own children's) is known."""
+        self.cpu[name][pid] = cpu_s
+
+    def stage_cpu_s(self) -> dict[str, float]:
+        """{stage: CPU seconds over all its processes and incarnations}."""
+        return {name: round(sum(pids.values()), 2) for name, pids in self.cpu.items()}
 
     def stage_mb(self) -> dict[str, float]:
         """{stage: MiB}: per replica the largest incarnation's tree sum, summed over replicas."""
@@ -111,5 +142,34 @@ def record(store: Store, keys: RunKeys, rss: PeakRss) -> str:
         peaks[RUNNER] = round(own / 1024, 1)
     key = keys.state("runner", "summary.json")
     summary = store.get_json(key) if store.exists(key) else {}
-    store.put_json(key, summary | {SUMMARY_FIELD: peaks})
-    return summary_line(peaks)
+    summary |= {SUMMARY_FIELD: peaks, "cpu_s": rss.stage_cpu_s()}
+    if store.exists(keys.done()) and store.exists(keys.run_json()):
+        run = store.get_json(keys.run_json())
+        if "snapshot_seconds" in run:  # the RL phase: policy v0 published -> DONE.json
+            start = run["created"] + run["snapshot_seconds"]
+            summary["rl_wall_s"] = round(store.get_json(keys.done())["time"] - start, 3)
+    line = summary_line(peaks)
+    if "rl_wall_s" in summary:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        summary["machine_share"] = machine_share(summary["cpu_s"], summary["rl_wall_s"], cores)
+        line += "\n" + cpu_line(summary["cpu_s"], summary["rl_wall_s"], cores)
+    store.put_json(key, summary)
+    return line
+
+
+LOOPING = ("rollout", "score", "prepare", "learn", "evaluate")
+"""Stages that run during the RL phase (their CPU time is the phase's work)."""
+
+
+def machine_share(cpu_s: dict[str, float], wall_s: float, cores: int) -> float:
+    """CPU seconds of the RL phase's stages over cores x the phase's wall clock."""
+    work = sum(v for name, v in cpu_s.items() if name in LOOPING)
+    return round(work / max(cores * wall_s, 1e-9), 3)
+
+
+def cpu_line(cpu_s: dict[str, float], wall_s: float, cores: int) -> str:
+    """The closing summary's CPU line: each RL stage's CPU time and the machine share."""
+    parts = ", ".join(f"{n} {cpu_s[n]:.1f} s" for n in LOOPING if n in cpu_s)
+    share = machine_share(cpu_s, wall_s, cores)
+    return (f"CPU in RL phase   {parts}: {share:.2f} of {cores} cores x {wall_s:.1f} s "
+            "(stage start-up included)")

@@ -40,9 +40,9 @@ from ..store.schemas import READY
 from ..store.shards import read_or_quarantine, read_shard
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context import StageContext
+from .inline import kept_groups
 from .policy import fetch_weights, load_policy, point_latest, publish_weight_bytes
 from .progress import progress_key, read_progress
-from .inline import kept_groups
 from .scan import Scanner, shard_name
 from .staleness import admitted, effective_k, gc_horizon
 from .update import compute_loss

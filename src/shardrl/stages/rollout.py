@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from ..store import RunKeys, Store
+from ..store import Store
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
