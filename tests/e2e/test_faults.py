@@ -33,8 +33,10 @@ from .conftest import TINY, stage_pids
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16
-SETTINGS = (f"learner.total_steps={STEPS}", "eval.every=4", "eval.samples_per_prompt=4",
+STEPS = 48
+"""Long enough that the run cannot end before the last kill lands (a tiny step takes
+milliseconds); every kill happens in the first third."""
+SETTINGS = (f"learner.total_steps={STEPS}", "eval.every=12", "eval.samples_per_prompt=4",
             "pipeline.max_restarts=5")
 LOOPING = ("rollout", "learn", "evaluate")
 """The looping stages of the tiny config: its rollout worker scores and prepares inline."""
@@ -197,8 +199,8 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
     rng = random.Random(7)
     schedule = [*LOOPING, "learn@commit"]
     rng.shuffle(schedule)
-    # kills in the first half, so that the run cannot end before the last one lands
-    thresholds = sorted(rng.sample(range(1, STEPS // 2 + 1), len(schedule)))
+    # kills in the first third, so that the run cannot end before the last one lands
+    thresholds = sorted(rng.sample(range(1, STEPS // 3 + 1), len(schedule)))
     started = time.monotonic()
     proc, out = start_runner(tmp_path, run_args(write_config(tmp_path), store_path, run_id), run_id)
     killed, inside_commit = [], None
@@ -208,7 +210,7 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
             inside_commit = kill_learner_at_commit(store, run_id)
             killed.append("learn")
         else:
-            time.sleep(rng.uniform(0.0, 1.5))  # a random moment of its work
+            time.sleep(rng.uniform(0.0, 0.3))  # a random moment of its work
             kill_stage(target, run_id)
             killed.append(target)
     text = finish(proc, out)
