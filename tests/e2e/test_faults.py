@@ -197,7 +197,8 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
     store = open_store(store_path)
     run_id = "crashy"
     rng = random.Random(7)
-    schedule = [*LOOPING, "learn@commit"]
+    # both rollout workers' turn may come (a kill takes the first one found), the learner twice
+    schedule = [*LOOPING, "rollout", "learn@commit"]
     rng.shuffle(schedule)
     # kills in the first third, so that the run cannot end before the last one lands
     thresholds = sorted(rng.sample(range(1, STEPS // 3 + 1), len(schedule)))

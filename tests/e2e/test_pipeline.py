@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardrl.store import parse_shard_key
+
 from .conftest import learner_metric, run_cli, stage_pids, summary
 
 
@@ -52,9 +54,23 @@ def test_synchronous_run_with_k0(tmp_path, tiny_config):
                    "--set", "tracking.enabled=false"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     s = summary(store, "s0")
-    assert s["accounting"]["balanced"]
+    acc = s["accounting"]
+    assert acc["balanced"], acc
     assert set(s["done"]["staleness"]) == {"0"}  # every admitted sample is on-policy
     assert max(learner_metric(store, "s0", "staleness_max")) == 0
+    # k=0 forces stale drops: each of the 2 workers writes a shard of 2 groups for a step of
+    # B=2 groups; the learner takes one shard, and the other worker's shard of the same
+    # version is one version old by the next step, so admission drops it, counted
+    assert acc["stale_dropped"] > 0, acc
+    ledger = [json.loads(f.read_text()) for f in
+              sorted((store / "runs" / "s0" / "state" / "learn").glob("ledger-*.json"))]
+    stale_rows = sum(e["rows"] for d in ledger for e in d["shards"] if e["outcome"] == "stale")
+    assert stale_rows == acc["stale_dropped"]
+    # a stale shard is always older than the learner's version when it was dropped
+    for d in ledger:
+        for e in d["shards"]:
+            lag = (d["version"] - 1) - parse_shard_key(e["key"]).version
+            assert (lag > 0) == (e["outcome"] == "stale"), (d["version"], e)
 
 
 def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):

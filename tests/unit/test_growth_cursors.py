@@ -187,7 +187,15 @@ def test_backlog_counts_kept_groups_the_learner_has_not_committed():
     progress = {"groups_by_worker": {"1": 40}, "kept_groups_by_worker": {"1": 10}}
     # worker 1 wrote 16 kept groups (exact, inline post-processing): 16 - 10 committed
     assert backlog(progress, 1, 64, 16) == 6
-    # unknown keep counts: 64 groups written, 40 committed of which a quarter kept
-    assert backlog(progress, 1, 64, None) == (64 - 40) * 0.25
-    assert backlog(progress, 0, 3, None) == 3  # nothing of worker 0 committed: rate 1
     assert backlog(progress, 1, 64, 5) == 0  # never negative
+    # unknown keep counts: 64 groups written, 40 committed (10 kept), nothing buffered:
+    # the 24 on their way count at the rate seen so far, 1/4
+    assert backlog(progress, 1, 64, None) == 24 * 0.25
+    # 8 more read by the learner, 6 of them kept: 6 + 16 on their way at 16/48
+    buffered = {"groups_by_worker": {"1": 8}, "kept_groups_by_worker": {"1": 6}}
+    assert backlog(progress, 1, 64, None, buffered) == 6 + 16 * (16 / 48)
+    assert backlog(progress, 0, 3, None) == 3  # nothing of worker 0 seen yet: rate 1
+    # the learner holds all of worker 0's groups, none kept: nothing waits (no deadlock
+    # while the learner gathers enough kept groups)
+    assert backlog({}, 0, 12, None, {"groups_by_worker": {"0": 12},
+                                     "kept_groups_by_worker": {"0": 0}}) == 0

@@ -48,6 +48,7 @@ from .staleness import admitted, effective_k, gc_horizon
 from .update import compute_loss
 
 BACKEND_STATE, CRITIC = "backend", "critic"
+BUFFERED = "buffered.json"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
 
 
@@ -175,6 +176,21 @@ class Learner:
                     return n
         return None
 
+    def buffered_counts(self) -> dict[str, dict[str, int]]:
+        """Prompt groups (all, and kept by filtering) per rollout worker in shards read but
+        not yet committed: `buffered.json`, which rollout workers that cannot count kept
+        groups themselves (score and prepare run as stages) read for their flow control."""
+        groups, kept = Counter(), Counter()
+        for key, table in self.buffer:
+            w = str(parse_shard_key(key).worker)
+            groups[w] += len(pc.unique(table.column("group_id")))
+            kept[w] += kept_groups(table)
+        return {"groups_by_worker": dict(groups), "kept_groups_by_worker": dict(kept)}
+
+    def publish_buffered(self) -> None:
+        self._submit(self.ctx.store.put_json, self.ctx.keys.state("learn", BUFFERED),
+                     self.buffered_counts())
+
     def _submit(self, write: Callable, *args) -> None:
         """Queue store writes behind the ones in flight, which must end first (order kept)."""
         self._wait()
@@ -225,7 +241,10 @@ class Learner:
                 self.step(n)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
-            elif not new:
+            elif new:
+                if not self.cfg.inline_postprocess:
+                    self.publish_buffered()
+            else:
                 if ctx.once and ctx.done():
                     return 0
                 self.arrivals.wait(lc.poll_interval_s)
@@ -359,6 +378,7 @@ class Learner:
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
         self.buffer = self.buffer[len(batch):]
+        buffered = None if self.cfg.inline_postprocess else self.buffered_counts()
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
         ledger_key = keys.state("learn", f"ledger-{self.commits:06d}.json")
@@ -376,6 +396,8 @@ class Learner:
             if weights is not None:
                 publish_weight_bytes(store, keys, version, weights)
             store.put_json(ledger_key, {"version": version, "shards": delta})
+            if buffered is not None:  # before progress.json: a reader double-counts, never misses
+                store.put_json(keys.state("learn", BUFFERED), buffered)
             if files:
                 save_checkpoint(store, keys, version, {}, files, self.cfg.learner.keep_checkpoints)
             store.put_json(progress_key(keys), progress)

@@ -58,6 +58,9 @@ def main(ctx: StageContext) -> int:
                     paused = True
                 flow.pause(rc.poll_interval_s)
                 continue
+            if paused:  # woken by the learner's commit: how long after its capture
+                ctx.metrics.log(int(progress.get("version", 0)),
+                                {"resume_lag_s": time.time() - progress.get("time", time.time())})
             paused = False
             # progress.json is written after the weights it names and just before LATEST.json
             engine.ensure(max(ctx.latest_version() or 0, int(progress.get("version", 0))))
@@ -131,17 +134,26 @@ def _write_inline(reserved: Future, post, key: str, table: pa.Table, scored: pa.
     post.write(key, table, scored, ready, prep_state)
 
 
-def backlog(progress: dict, worker: int, groups_written: int, kept_written: int | None) -> float:
+def backlog(progress: dict, worker: int, groups_written: int, kept_written: int | None,
+            buffered: dict | None = None) -> float:
     """Kept prompt groups `worker` wrote that the learner has not committed, from the
-    learner's `progress.json` (whose size does not grow with the run). `kept_written` None:
-    unknown (score and prepare run as stages), estimated from the worker's keep rate so far."""
+    learner's `progress.json` (whose size does not grow with the run).
+
+    `kept_written` None: unknown (score and prepare run as stages). Then the learner's
+    `buffered.json` says how many groups of the worker it has read and how many of those were
+    kept; groups still on their way (scored, prepared, not yet read) count at the keep rate
+    of everything the learner has seen of this worker (1 before it has seen any)."""
     w = str(worker)
     groups_done = int(progress.get("groups_by_worker", {}).get(w, 0))
     kept_done = int(progress.get("kept_groups_by_worker", {}).get(w, 0))
     if kept_written is not None:
         return kept_backlog(kept_written, kept_done)
-    rate = keep_rate(kept_done, groups_done)
-    return kept_backlog(groups_written * rate, groups_done * rate)
+    buffered = buffered or {}
+    groups_buf = int(buffered.get("groups_by_worker", {}).get(w, 0))
+    kept_buf = int(buffered.get("kept_groups_by_worker", {}).get(w, 0))
+    rate = keep_rate(kept_done + kept_buf, groups_done + groups_buf)
+    on_the_way = max(0, groups_written - groups_done - groups_buf)
+    return kept_buf + on_the_way * rate
 
 
 class Flow:
@@ -173,7 +185,11 @@ class Flow:
         self.round_kept += kept
 
     def backlog(self, progress: dict) -> float:
-        return backlog(progress, self.ctx.worker, self.groups, self.kept if self.exact else None)
+        if self.exact:
+            return backlog(progress, self.ctx.worker, self.groups, self.kept)
+        key = self.ctx.keys.state("learn", "buffered.json")
+        buffered = self.ctx.store.get_json(key) if self.ctx.store.exists(key) else None
+        return backlog(progress, self.ctx.worker, self.groups, None, buffered)
 
     def cap(self, progress: dict) -> int:
         cfg = self.ctx.cfg

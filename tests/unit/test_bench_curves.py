@@ -1,0 +1,227 @@
+"""The peer comparisons' arithmetic (bench/curves.py, bench/trl_bench.py, the table of
+bench/run_all.py) on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from bench.curves import (
+    binomial_se,
+    machine_share,
+    percentile,
+    ratio,
+    samples_between,
+    spread,
+    steady_samples_per_s,
+    target_pass,
+    time_to_reach,
+    time_to_target,
+)
+from bench.run_all import _spread
+from bench.trl_bench import (
+    MACHINE_STAGES,
+    compare,
+    compare_sync,
+    last_per_writer,
+    pipeline_figures,
+    summarize,
+)
+
+SHARDRL = [(0.0, 0.5), (10.0, 0.6), (20.0, 0.8), (40.0, 0.9)]
+TRL = [(0.0, 0.5), (30.0, 0.7), (60.0, 0.75)]
+SYNC = [(0.0, 0.5), (15.0, 0.55), (30.0, 0.65), (45.0, 0.6)]
+
+
+# -- targets -------------------------------------------------------------------------------
+def test_target_is_seventy_percent_of_the_gain_over_the_snapshot():
+    assert target_pass(0.5, 0.75) == pytest.approx(0.675)  # 0.5 + 0.7 x 0.25
+    assert target_pass(0.2, 0.7, fraction=0.5) == pytest.approx(0.45)
+    assert target_pass(0.5, 0.5) is None  # no gain: no target
+    assert target_pass(0.5, 0.4) is None
+
+
+def test_time_to_target_uses_the_reference_curve_and_first_measured_times():
+    got = time_to_target(TRL, SHARDRL)
+    # TRL: v0 0.5, best 0.75 -> target 0.675; TRL first >= 0.675 at 30 s (0.7), ShardRL at
+    # 20 s (0.6 at 10 s is short)
+    assert got["v0"] == 0.5 and got["best"] == 0.75
+    assert got["target"] == pytest.approx(0.675)
+    assert got["seconds"] == [30.0, 20.0]
+    # a curve that never gets there
+    assert time_to_target(TRL, [(0.0, 0.5), (50.0, 0.67)])["seconds"] == [30.0, None]
+    # a reference that gained nothing has no target: no times at all
+    flat = [(0.0, 0.5), (10.0, 0.5), (20.0, 0.45)]
+    assert time_to_target(flat, SHARDRL) == {"v0": 0.5, "best": 0.5, "target": None,
+                                             "seconds": [None, None]}
+
+
+def test_time_to_reach_counts_equal_as_reached():
+    assert time_to_reach(SHARDRL, 0.8) == 20.0
+    assert time_to_reach(SHARDRL, 0.8 + 1e-12) == 20.0  # float noise of a computed target
+    assert time_to_reach(SHARDRL, 0.95) is None
+
+
+def test_compare_adds_the_target_time_ratio():
+    got = compare(SHARDRL, TRL)
+    assert got["target"] == pytest.approx(0.675)
+    assert got["trl_seconds_to_target"] == 30.0 and got["shardrl_seconds_to_target"] == 20.0
+    assert got["target_time_ratio"] == pytest.approx(20 / 30)
+    # the existing figures are unchanged: 20 s to TRL's final 0.75 over TRL's 60 s
+    assert got["time_ratio"] == pytest.approx(1 / 3)
+    assert got["pass_gap"] == pytest.approx(0.15)
+    never = compare([(0.0, 0.5), (10.0, 0.55), (60.0, 0.6)], TRL)
+    assert never["target_time_ratio"] is None and never["time_ratio"] is None
+
+
+def test_compare_sync_speedup_and_sample_rates():
+    shardrl = {"curve": SHARDRL, "steady_samples_per_s": 300.0, "samples_per_s": 250.0}
+    sync = {"curve": SYNC, "steady_samples_per_s": 200.0, "samples_per_s": 125.0}
+    got = compare_sync(shardrl, sync)
+    # sync: v0 0.5, best 0.65 -> target 0.605; sync first >= 0.605 at 30 s, ShardRL at 20 s
+    assert got["target"] == pytest.approx(0.605)
+    assert got["sync_seconds_to_target"] == 30.0 and got["shardrl_seconds_to_target"] == 20.0
+    assert got["time_speedup"] == pytest.approx(1.5)
+    assert got["samples_per_s_ratio"] == pytest.approx(1.5)  # steady: 300 / 200
+    assert got["samples_per_s_ratio_whole_run"] == pytest.approx(2.0)  # 250 / 125
+    slow = compare_sync({**shardrl, "curve": [(0.0, 0.5), (40.0, 0.6)],
+                         "steady_samples_per_s": None}, sync)
+    assert slow["time_speedup"] is None and slow["samples_per_s_ratio"] is None
+
+
+def test_ratio_is_undefined_without_both_numbers():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None and ratio(3.0, None) is None and ratio(3.0, 0.0) is None
+
+
+# -- medians over repeats ------------------------------------------------------------------
+def test_spread_leaves_out_undefined_values():
+    assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
+                                             "undefined": 1}
+    assert spread([1.0, 3.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "undefined": 0}
+    assert spread([None]) == {"median": None, "min": None, "max": None, "undefined": 1}
+
+
+def test_spread_counts_never_reached_as_the_worst_value():
+    # a time ratio (lower is better): a never-reached repeat sorts above every number
+    assert spread([0.5, None, 0.7], "high") == {"median": 0.7, "min": 0.5, "max": None,
+                                               "undefined": 1}
+    assert spread([None, None, 0.7], "high")["median"] is None
+    # a speedup (higher is better): it sorts below every number
+    assert spread([1.5, None, 2.0], "low") == {"median": 1.5, "min": None, "max": 2.0,
+                                              "undefined": 1}
+    # an even count: the mean of the middle two, undefined if one of them is
+    assert spread([1.0, 2.0, 4.0, None], "high")["median"] == 3.0
+    assert spread([1.0, None], "high")["median"] is None
+    with pytest.raises(ValueError):
+        spread([1.0], "sideways")
+
+
+def test_binomial_standard_error():
+    assert binomial_se(0.9, 256) == pytest.approx(0.01875)  # sqrt(0.09 / 256) = 0.3 / 16
+    assert binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert binomial_se(1.0, 10) == 0.0
+    with pytest.raises(ValueError):
+        binomial_se(0.5, 0)
+
+
+# -- steady state, percentiles, machine share ----------------------------------------------
+def test_steady_samples_per_s_counts_samples_between_first_and_last_version():
+    events = [(9.0, 64), (10.0, 64), (11.0, 64), (15.0, 128), (20.0, 64), (21.0, 64)]
+    # versions at 10, 12 and 20 s (any order): samples finished in (10, 20] are
+    # 64 + 128 + 64 = 256 over 10 s
+    assert steady_samples_per_s([20.0, 10.0, 12.0], events) == pytest.approx(25.6)
+    assert samples_between(events, 10.0, 20.0) == 256
+    assert steady_samples_per_s([10.0], events) is None
+    assert steady_samples_per_s([10.0, 10.0], events) is None
+
+
+def test_percentile_interpolates_between_order_statistics():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # 3 + 0.85 x (4 - 3)
+    assert percentile([5.0], 95) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_machine_share_sums_the_rl_stages_present():
+    cpu_s = {"rollout": 50.0, "learn": 60.0, "evaluate": 10.0, "runner": 5.0, "snapshot": 7.0}
+    # score and prepare absent (run inside rollout): (50 + 60 + 10) / (2 cores x 80 s)
+    assert machine_share(cpu_s, MACHINE_STAGES, 2, 80.0) == pytest.approx(0.75)
+    assert machine_share({"runner": 5.0}, MACHINE_STAGES, 2, 80.0) is None
+    assert machine_share(cpu_s, MACHINE_STAGES, 2, 0.0) is None
+
+
+# -- ShardRL's run metrics ------------------------------------------------------------------
+def _points() -> list[tuple[str, str, int, float, float]]:
+    points = [("learn/w00", "learn/update_s", step, 0.5, t)
+              for step, t in ((1, 100.0), (1, 101.0), (2, 105.0), (3, 110.0))]
+    points += [("rollout/w00", "rollout/samples", 0, 64.0, t)
+               for t in (99.0, 102.0, 106.0, 110.0, 112.0)]
+    points += [("learn/w00", "learn/hop_s", s, v, 100.0 + s)
+               for s, v in enumerate([0.5, 0.1, 0.4, 0.2, 0.3])]
+    points += [("learn/w00", "learner/hop_max_s", s, v, 100.0 + s)
+               for s, v in enumerate([0.9, 1.5, 0.6])]
+    points += [("rollout/w00", "rollout/busy_fraction", 1, 0.5, 100.0),
+               ("rollout/w00", "rollout/busy_fraction", 3, 0.9, 110.0),
+               ("rollout/w01", "rollout/busy_fraction", 3, 0.7, 108.0),
+               ("learn/w00", "learn/busy_fraction", 2, 0.6, 105.0),
+               ("learn/w00", "learn/busy_fraction", 3, 0.85, 110.0)]
+    return points[::-1]  # the order of the points does not matter
+
+
+def test_pipeline_figures_from_hand_made_metrics():
+    got = pipeline_figures(_points())
+    # version 1 published at 100 (its re-log at 101 is a skipped step), version 3 at 110:
+    # samples in (100, 110] are 3 x 64 over 10 s
+    assert got["steady_samples_per_s"] == pytest.approx(19.2)
+    # rollout: newest value per worker, 0.9 and 0.7, averaged; learner: its newest
+    assert got["busy_fraction"] == {"rollout": pytest.approx(0.8), "learner": 0.85}
+    # per-step median hops 0.1..0.5: p50 0.3, p95 at position 3.8: 0.4 + 0.8 x 0.1; the
+    # largest per-step maximum 1.5 (either namespace counts)
+    assert got["hop_s"] == {"p50": pytest.approx(0.3), "p95": pytest.approx(0.48),
+                            "max": 1.5, "n": 5}
+
+
+def test_pipeline_figures_tolerate_missing_metrics():
+    assert pipeline_figures([]) == {
+        "steady_samples_per_s": None, "busy_fraction": {"rollout": None, "learner": None},
+        "hop_s": {"p50": None, "p95": None, "max": None, "n": 0}}
+    assert last_per_writer([]) is None
+
+
+# -- summary over repeats and the table ------------------------------------------------------
+def _row(target_time_ratio: float | None, speedup: float | None, final: float) -> dict:
+    side = {"final_pass": final, "best_pass": final, "samples_per_s": 100.0,
+            "steady_samples_per_s": 120.0, "seconds": 60.0, "steps": 60}
+    return {
+        "time_ratio": None, "pass_gap": 0.0, "samples_per_s_ratio": 1.2,
+        "target_time_ratio": target_time_ratio, "target": 0.8,
+        "vs_sync": {"time_speedup": speedup, "samples_per_s_ratio": 1.3,
+                    "samples_per_s_ratio_whole_run": 1.4, "target": 0.7},
+        "shardrl": side | {"eval_samples": 256, "machine_share": None,
+                           "busy_fraction": {"rollout": 0.9, "learner": None},
+                           "hop_s": {"p50": None, "p95": None, "n": 0}},
+        "trl": dict(side), "sync": dict(side),
+    }
+
+
+def test_summarize_medians_never_reached_and_standard_errors():
+    rows = [_row(0.4, 2.0, 0.9), _row(None, None, 0.8), _row(0.6, 1.5, 0.85)]
+    out = summarize(rows)
+    # never reached is the worst: the time ratio's median is 0.6, the speedup's 1.5
+    assert out["target_time_ratio"] == {"median": 0.6, "min": 0.4, "max": None, "undefined": 1}
+    assert out["vs_sync"]["time_speedup"] == {"median": 1.5, "min": None, "max": 2.0,
+                                              "undefined": 1}
+    assert out["shardrl"]["final_pass"]["median"] == 0.85
+    assert out["eval_samples"] == 256
+    assert out["shardrl"]["final_pass_se"] == pytest.approx(math.sqrt(0.85 * 0.15 / 256))
+    assert out["machine_share"]["median"] is None  # not recorded by the pipeline
+    assert out["busy_fraction"]["rollout"]["median"] == 0.9
+
+
+def test_table_cell_of_a_spread():
+    assert _spread({"median": 0.62, "min": 0.5, "max": None, "undefined": 1},
+                   none="never reached") == "0.62 (0.50 to never reached), 1 never reached"
+    assert _spread({"median": 1.5, "min": 1.5, "max": 1.5, "undefined": 0}) == "1.50"
+    assert _spread({"median": None, "min": None, "max": None, "undefined": 3},
+                   none="not recorded") == "not recorded"

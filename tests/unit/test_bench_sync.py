@@ -1,0 +1,110 @@
+"""bench/sync_baseline.py: its prepare step gives what the prepare stage gives, it forms
+batches as the learner does, and it refuses configs it does not reproduce."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from bench.sync_baseline import PausableClock, SyncTrainer, check_supported
+
+from shardrl.algo import PassRateTracker, RunningMoments
+from shardrl.config import load_config
+from shardrl.stages.prepare import Preparer
+from shardrl.store import LocalStore, RunKeys
+from shardrl.store.schemas import SCORED
+
+# three groups of four: one with signal, one all correct (zero variance), one with signal
+# and a row whose reward is not finite
+REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, float("nan")]
+
+
+def scored_table(rewards: list[float]) -> pa.Table:
+    n = len(rewards)
+    groups = [f"w00-000000-{i // 4:03d}" for i in range(n)]
+    cols = {
+        "prompt_id": [f"p{i // 4}" for i in range(n)], "group_id": groups,
+        "sample_idx": [i % 4 for i in range(n)], "policy_version": [0] * n, "worker": [0] * n,
+        "prompt_text": ["ab="] * n, "prompt_token_ids": [[1, 2, 3]] * n,
+        "response_token_ids": [[4, 5]] * n, "behavior_logprobs": [[-0.5, -0.25]] * n,
+        "finish_reason": ["stop"] * n, "response_text": ["bc"] * n, "answer": ["bc"] * n,
+        "category": ["cipher"] * n, "created_at": [0.0] * n,
+        "reward_verifier": rewards, "reward_model": [None] * n, "reward_rm": rewards,
+        "correct": [r == 1.0 for r in rewards], "reward_error": [None] * n,
+        "ref_logprobs": [None] * n,
+    }
+    return pa.table(cols, schema=SCORED)
+
+
+def sync_trainer(cfg) -> SyncTrainer:
+    """A trainer with only what prepare and batch use (no model)."""
+    npr = cfg.algo.filters.no_positive_resampling
+    trainer = object.__new__(SyncTrainer)
+    trainer.cfg, trainer.moments = cfg, RunningMoments()
+    trainer.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
+                                      min_samples=npr.min_samples)
+    trainer.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
+    return trainer
+
+
+@pytest.mark.parametrize("overrides", [[], ["algo.shaping.normalize=true"],
+                                       ["algo.advantages.norm=prompt"]])
+def test_prepare_matches_the_prepare_stage(tmp_path, overrides):
+    cfg = load_config("demo", overrides)
+    ctx = SimpleNamespace(cfg=cfg, keys=RunKeys("sync"), store=LocalStore(tmp_path),
+                          metrics=SimpleNamespace(log=lambda step, values: None))
+    stage, ours = Preparer(ctx), sync_trainer(cfg)
+    for shard in (REWARDS, REWARDS[4:] + REWARDS[:4]):  # two shards: running moments move on
+        want = stage.prepare(scored_table(shard))
+        got = ours.prepare(scored_table(shard))
+        for name in ("reward_total", "advantage"):
+            np.testing.assert_allclose(got.column(name).to_numpy(),
+                                       want.column(name).to_numpy(), rtol=0, atol=0)
+        for name in ("keep", "filter_reason"):
+            assert got.column(name).to_pylist() == want.column(name).to_pylist()
+    keep = got.column("keep").to_pylist()
+    assert sum(keep) == 4 + 3  # a whole group with signal; the other less its NaN row
+
+
+def test_batch_generates_until_the_learner_would_step():
+    cfg = load_config("demo", [])  # batch_prompts 16, prompts_per_shard 8
+    trainer = sync_trainer(cfg)
+    kept_per_shard = iter([8, 6, 3, 8])
+    calls: list[int] = []
+
+    def generate(shards, clock, events):
+        calls.append(shards)
+        tables = []
+        for _ in range(shards):
+            kept = next(kept_per_shard)
+            tables.append(pa.table({"group_id": [f"g{len(calls)}-{len(tables)}-{i}"
+                                                 for i in range(8)],
+                                    "keep": [i < kept for i in range(8)]}))
+        return tables
+
+    trainer.generate = generate
+    trainer.score = trainer.prepare = lambda table: table
+    table = trainer.batch(None, [])
+    # 2 shards for 16 groups give 14 kept; 1 more shard for the last 2 gives 17: stop there
+    assert calls == [2, 1]
+    assert len(table) == 24 and sum(table.column("keep").to_pylist()) == 17
+
+
+def test_unsupported_configs_are_refused():
+    cfg = load_config("demo", [])
+    check_supported(cfg)  # the demo is covered
+    kl = SimpleNamespace(algo=SimpleNamespace(
+        kl=SimpleNamespace(placement="loss"), advantages=cfg.algo.advantages, critic=None),
+        rollout=cfg.rollout, learner=cfg.learner)
+    with pytest.raises(ValueError, match="kl.placement"):
+        check_supported(kl)
+
+
+def test_clock_pauses_while_evaluating():
+    clock = PausableClock(time.time() - 10.0)
+    assert clock.paused(lambda: time.sleep(0.05) or 0.5) == 0.5
+    assert clock.paused_s >= 0.05
+    assert clock.now() == pytest.approx(10.0, abs=0.05)
