@@ -6,12 +6,19 @@ demonstrations for as long (wall clock) as the RL phase lasted, and evaluate it 
 (same held-out prompts, temperature and sampling seed).
 
     .venv/bin/python -m bench.demo_control --seeds 0 1 2
+    .venv/bin/python -m bench.demo_control --seeds 0 1 2 --total-steps 40  # shorter RL phases
+
+A seed costs about the snapshot, its RL phase twice (RL, then the control for as long) and
+a few evaluations (about 45 s with the demo on 2 cores); `--total-steps` shortens the RL
+phase, and with it the control. The control trains with every core, as the RL phase's
+stages share them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -65,12 +72,24 @@ def continue_sft(model, tokenizer, cfg, task, seconds: float) -> int:
     return steps
 
 
-def one_seed(seed: int, config: str) -> dict:
+def step_overrides(config: str, total_steps: int | None) -> list[str]:
+    """Overrides that end the RL phase at `total_steps` (None: the config's), evaluating at
+    least once between the snapshot and the end."""
+    if total_steps is None:
+        return []
+    every = load_config(config, []).eval.every
+    return [f"learner.total_steps={total_steps}",
+            f"eval.every={every if every < total_steps else max(1, total_steps // 2)}"]
+
+
+def one_seed(seed: int, config: str, total_steps: int | None = None) -> dict:
     store_dir = WORK / "demo-control"
     run_id = f"demo-seed{seed}-{int(time.time())}"
+    sets = [f"seed={seed}", *step_overrides(config, total_steps)]
     cmd = [sys.executable, "-m", "shardrl.cli", "run", config, "--store", str(store_dir),
-           "--run-id", run_id, "--no-progress", "--set", f"seed={seed}",
-           "--set", "tracking.enabled=false"]
+           "--run-id", run_id, "--no-progress", "--set", "tracking.enabled=false"]
+    for s in sets:
+        cmd += ["--set", s]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     store, keys = LocalStore(store_dir), RunKeys(run_id)
     run = store.get_json(keys.run_json())
@@ -78,15 +97,16 @@ def one_seed(seed: int, config: str) -> dict:
     rl_seconds = done["time"] - (run["created"] + run["snapshot_seconds"])
     evals = {int(k.rsplit("/v", 1)[1][:6]): store.get_json(k)
              for k in store.list(keys.root + "eval/") if k.endswith(".json")}
-    cfg = load_config(config, [f"seed={seed}"])
+    cfg = load_config(config, sets)
     task = make_task(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = load_policy(store, keys, 0, Path(tmp))
-    torch.set_num_threads(2)
+    torch.set_num_threads(os.cpu_count() or 1)
     steps = continue_sft(model, tokenizer, cfg, task, rl_seconds)
     control = heldout_pass(model, tokenizer, cfg, task)
     return {"seed": seed, "sft_plateau": evals[0]["pass_at_1"],
-            "rl_final": evals[max(evals)]["pass_at_1"], "sft_continued": control,
+            "rl_final": evals[max(evals)]["pass_at_1"], "rl_version": max(evals),
+            "sft_continued": control,
             "rl_seconds": round(rl_seconds, 1), "control_sft_steps": steps,
             "sft_epochs": run["sft"]["epochs"], "heldout_prompts": evals[0]["prompts"]}
 
@@ -95,10 +115,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--config", default="demo")
+    parser.add_argument("--total-steps", type=int,
+                        help="end each RL phase at this many learner steps (default: config's)")
     args = parser.parse_args()
     rows = []
     for seed in args.seeds:
-        rows.append(one_seed(seed, args.config))
+        rows.append(one_seed(seed, args.config, args.total_steps))
         print(json.dumps(rows[-1]), flush=True)
     print("\n| seed | SFT plateau | RL final | RL gain | SFT continued | control gain |")
     print("|---|---|---|---|---|---|")
@@ -106,7 +128,9 @@ def main() -> None:
         print(f"| {r['seed']} | {r['sft_plateau']:.3f} | {r['rl_final']:.3f} | "
               f"{100 * (r['rl_final'] - r['sft_plateau']):+.1f} pts | {r['sft_continued']:.3f} | "
               f"{100 * (r['sft_continued'] - r['sft_plateau']):+.1f} pts |")
-    merge_results("demo_control", {"rows": rows, "config": args.config})
+    cfg = load_config(args.config, step_overrides(args.config, args.total_steps))
+    merge_results("demo_control", {"rows": rows, "config": args.config,
+                                   "total_steps": cfg.learner.total_steps})
 
 
 if __name__ == "__main__":

@@ -1,34 +1,67 @@
-"""TRL's GRPOTrainer and ShardRL on the same SFT snapshot, task and wall-clock budget.
+"""TRL's GRPOTrainer, a synchronous baseline and ShardRL on the same SFT snapshot and budget.
 
 One repeat: run the `demo` pipeline (it builds the SFT snapshot, then its RL phase is
-ShardRL's curve); then train TRL's `GRPOTrainer` from that snapshot's `policy/v000000/`
-folder for as long as ShardRL's RL phase lasted. Both get the same task (the cipher task's
-training prompt stream and verifier), group size, prompts per optimizer step, learning rate
-and schedule, AdamW betas, gradient clip, sampling temperature and response length, all read
-from the one run config. Held-out pass@1 is measured the same way for both (all held-out
-prompts, one sample each, the evaluate stage's engine and sampling seed), which gives
-pass@1 versus RL wall clock for both systems, and samples generated per second.
+ShardRL's curve); then, each in a fresh process started from that snapshot's
+`policy/v000000/` folder and for as long as ShardRL's RL phase lasted, train TRL's
+`GRPOTrainer` and the synchronous baseline of `bench/sync_baseline.py` (ShardRL's own
+generation engine, verifier, advantages, filtering, loss and optimizer in one process, no
+object store). All three get the same task (the cipher task's training prompt stream and
+verifier), group size, prompts per optimizer step, learning rate and schedule, AdamW betas,
+gradient clip, sampling temperature and response length, all read from the one run config.
+Held-out pass@1 is measured the same way for all (all held-out prompts, `samples_per_prompt`
+each, the evaluate stage's engine and sampling seed), which gives pass@1 versus RL wall clock
+for each system, and samples generated per second.
 
-The comparison is the one a user of this machine sees: ShardRL's RL phase is five
-concurrent processes (rollout, score, prepare, learn, evaluate; one torch thread each) on
-all cores, its evaluate stage competing with training; TRL is one process using all cores
-(`torch.set_num_threads(os.cpu_count())`), and its clock is paused while it is evaluated.
+The comparison is the one a user of this machine sees: ShardRL's RL phase is concurrent
+processes (rollout, score, prepare, learn, evaluate; one torch thread each) on all cores, its
+evaluate stage competing with training; TRL and the baseline are one process each using all
+cores (`torch.set_num_threads(os.cpu_count())`; `--sync-threads` sets the baseline's count),
+their clocks paused while they are evaluated. Every process waits for OpenMP work passively
+(`OMP_WAIT_POLICY=PASSIVE` unless the environment sets it), as the local runner makes
+ShardRL's stages do: with active waiting, idle threads spin on cores others need.
 ShardRL's clock starts when its snapshot is published and stops at `DONE.json`; a point of
-its curve is the time its policy version was published. TRL runs in a fresh process whose
-clock starts at launch (imports, model loading and trainer setup count, as ShardRL's stage
-start-up does).
+its curve is the time its policy version was published. Its stages are forked from a runner
+that imported their libraries before the snapshot, so their start-up (forking, loading the
+policy) counts but importing torch and transformers does not. TRL and the baseline run in
+fresh processes whose clocks start once those libraries (and TRL) are imported: loading the
+model and setting up the trainer count, as for ShardRL.
 
-What still differs (TRL 1.16 has no equivalent, or the config has no TRL mapping):
+Figures per repeat (each reported as median, min and max over repeats):
+- `target_time_ratio`: v0 = the snapshot's pass@1 (TRL's curve point at t=0) and target =
+  v0 + 0.7 x (TRL's best pass@1 - v0); ShardRL's first measured time at or above the target
+  over TRL's (None: ShardRL never reached it, counted as worse than any ratio).
+- `samples_per_s_ratio`: ShardRL's generated samples per second of its RL phase over TRL's
+  samples per second of its clock (both whole runs, start-up included).
+- `time_ratio`, `pass_gap`: ShardRL's time to TRL's *final* pass@1 over TRL's final time, and
+  ShardRL's pass@1 at that time minus TRL's final pass@1.
+- `vs_sync.time_speedup`: the same kind of target from the baseline's curve (v0 and best of
+  the baseline); the baseline's time to it over ShardRL's (None when ShardRL never got there,
+  counted as worse than any speedup).
+- `vs_sync.samples_per_s_ratio`: steady-state samples per second, ShardRL's over the
+  baseline's, each = generated samples finished between its first and its last new policy
+  version over the time between them (`bench.curves.steady_samples_per_s`; ShardRL: from the
+  learner's per-step and the rollout's per-shard metric times; the baseline: on its clock).
+  `samples_per_s_ratio_whole_run` divides the whole-run rates instead.
+- `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
+  processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
+- `busy_fraction` (rollout, learner: the stages' last reported whole-run values) and `hop_s`
+  (the learner's hand-off latency: seconds from a shard's generation to the learner reading
+  its ready shard; the learner logs each step's median and maximum; `p50` and `p95` are over
+  those per-step medians, `max` the largest), read from the run's metric chunks when the
+  stages report them.
+
+What still differs between TRL and ShardRL (TRL 1.16 has no equivalent, or the config has no
+TRL mapping):
 - TRL's `cispo` loss averages over all completion tokens of the batch; ShardRL's demo uses
   prompt-level aggregation (each group's token mean, then the mean over groups).
 - TRL keeps groups whose rewards are all equal in its 16-prompt batch (advantage 0, their
-  tokens still count in the loss denominator); ShardRL filters them out and fills each step
-  with 16 groups that carry signal, so it generates more samples per step.
-- TRL trains on-policy (one update per generation batch, ratio 1); ShardRL learns from
-  samples up to k=8 versions old with the CISPO ratio capped at `max_ratio`.
-- Both normalise advantages by the batch std (TRL adds 1e-4 to it); neither has a KL term.
+  tokens still count in the loss denominator); ShardRL and the baseline filter them out and
+  fill each step with 16 groups that carry signal, so they generate more samples per step.
+- TRL and the baseline train on-policy (one update per generation batch, ratio 1); ShardRL
+  learns from samples up to k=8 versions old with the CISPO ratio capped at `max_ratio`.
+- All normalise advantages by the batch std (TRL adds 1e-4 to it); none has a KL term.
 
-    .venv/bin/python -m bench.trl_bench --repeats 1
+    .venv/bin/python -m bench.trl_bench --repeats 3
     .venv/bin/python -m bench.trl_bench --snapshot DIR --budget 90 --out trl.json  # TRL only
 """
 
@@ -36,9 +69,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,51 +79,138 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-Curve = list[tuple[float, float]]
-"""(seconds of RL wall clock, held-out pass@1), in time order."""
+from bench.curves import (
+    Curve,
+    binomial_se,
+    machine_share,
+    pass_at,
+    percentile,
+    ratio,
+    spread,
+    steady_samples_per_s,
+    time_to_reach,
+    time_to_target,
+)
 
 WORK = Path(__file__).parent / "_work" / "trl"
+MACHINE_STAGES = ("rollout", "score", "prepare", "learn", "evaluate")
+"""ShardRL's RL-phase stages whose CPU time counts in its machine share."""
+LEARNER_STAGES = ("learn", "learner")
+"""Metric namespaces the learner's figures may come under."""
 
 
-# -- curve arithmetic (pure) ---------------------------------------------------------------
-def time_to_reach(curve: Curve, target: float) -> float | None:
-    """Seconds of the first point whose pass@1 is at least `target`; None if none is.
-
-    The curve is sampled at evaluations, so this is the first *measured* time, an upper
-    bound on when the rate was first reached (no interpolation between points).
-    """
-    return next((t for t, p in curve if p >= target - 1e-9), None)
-
-
-def pass_at(curve: Curve, seconds: float) -> float:
-    """pass@1 of the newest point at or before `seconds`: what a user has at that time."""
-    before = [p for t, p in curve if t <= seconds]
-    if not before:
-        raise ValueError(f"the curve has no point at or before {seconds:.1f}s")
-    return before[-1]
-
-
+# -- curve figures (pure) ------------------------------------------------------------------
 def compare(shardrl: Curve, trl: Curve) -> dict:
-    """The issue's two figures from both curves (each starts at the shared snapshot, t=0).
+    """ShardRL's figures against TRL's curve (each starts at the shared snapshot, t=0).
 
     `time_ratio`: time ShardRL needed to reach TRL's final pass@1, over TRL's final time
-    (target <= 0.5; None when ShardRL never reached it). `pass_gap`: ShardRL's pass@1 at
-    TRL's final time minus TRL's final pass@1 (target >= 0). Each side's best pass@1 is
-    reported beside them, since neither curve needs to rise monotonically.
+    (None when ShardRL never reached it). `pass_gap`: ShardRL's pass@1 at TRL's final time
+    minus TRL's final pass@1. `target_time_ratio`: first measured times at or above
+    v0 + 0.7 x (TRL's best - v0), ShardRL's over TRL's (None when ShardRL never reached it,
+    or TRL gained nothing over v0). Each side's best pass@1 is reported beside them, since
+    neither curve needs to rise monotonically.
     """
     trl_time, trl_pass = trl[-1]
     reach = time_to_reach(shardrl, trl_pass)
+    target = time_to_target(trl, shardrl)
+    trl_t, shardrl_t = target["seconds"]
     return {"trl_final_pass": trl_pass, "trl_final_seconds": trl_time,
             "trl_best_pass": max(p for _, p in trl),
             "shardrl_best_pass": max(p for _, p in shardrl),
             "shardrl_seconds_to_trl_final": reach,
-            "time_ratio": None if reach is None else reach / trl_time,
-            "pass_gap": pass_at(shardrl, trl_time) - trl_pass}
+            "time_ratio": ratio(reach, trl_time),
+            "pass_gap": pass_at(shardrl, trl_time) - trl_pass,
+            "v0": target["v0"], "target": target["target"],
+            "trl_seconds_to_target": trl_t, "shardrl_seconds_to_target": shardrl_t,
+            "target_time_ratio": ratio(shardrl_t, trl_t)}
+
+
+def compare_sync(shardrl: dict, sync: dict) -> dict:
+    """ShardRL against the synchronous baseline (both sides' results, curves included).
+
+    `time_speedup`: the baseline's first measured time at or above v0 + 0.7 x (its best - v0)
+    over ShardRL's (None when ShardRL never reached it). `samples_per_s_ratio`: steady-state
+    samples/s, ShardRL's over the baseline's; `samples_per_s_ratio_whole_run`: whole runs.
+    """
+    target = time_to_target(sync["curve"], shardrl["curve"])
+    sync_t, shardrl_t = target["seconds"]
+    return {"v0": target["v0"], "sync_best_pass": target["best"], "target": target["target"],
+            "sync_seconds_to_target": sync_t, "shardrl_seconds_to_target": shardrl_t,
+            "time_speedup": ratio(sync_t, shardrl_t),
+            "samples_per_s_ratio": ratio(shardrl.get("steady_samples_per_s"),
+                                         sync.get("steady_samples_per_s")),
+            "samples_per_s_ratio_whole_run": ratio(shardrl["samples_per_s"],
+                                                   sync["samples_per_s"])}
 
 
 # -- ShardRL side --------------------------------------------------------------------------
+Point = tuple[str, str, int, float, float]
+"""(writer `<stage>/wNN`, metric name, step, value, unix time) of one metric point."""
+
+
+def named(points: list[Point], stages: tuple[str, ...], name: str) -> list[Point]:
+    """The points of metric `name` under any of the namespaces `stages`, in time order."""
+    names = {f"{stage}/{name}" for stage in stages}
+    return sorted((p for p in points if p[1] in names), key=lambda p: p[4])
+
+
+def last_per_writer(points: list[Point]) -> float | None:
+    """Mean over writers of each writer's newest value (a whole-run running figure such
+    as a busy fraction, one per stage process); None without points."""
+    newest: dict[str, Point] = {}
+    for p in points:
+        if p[0] not in newest or p[4] >= newest[p[0]][4]:
+            newest[p[0]] = p
+    return sum(p[3] for p in newest.values()) / len(newest) if newest else None
+
+
+def pipeline_figures(points: list[Point]) -> dict:
+    """Steady-state samples/s, busy fractions and hop latency of a run from its metrics.
+
+    A version's publication time is the time of the learner's first step metric at that
+    version (`update_s`, logged as the step commits); generated samples are the rollout's
+    per-shard `samples`, timed when the shard was generated. Hop latency: percentiles of
+    the learner's per-step median `hop_s`, and the largest per-step `hop_max_s`. Figures the
+    stages did not report are None.
+    """
+    published: dict[int, float] = {}
+    for _, _, step, _, t in named(points, LEARNER_STAGES, "update_s"):
+        if step >= 1:
+            published[step] = min(published.get(step, t), t)
+    samples = [(t, v) for _, _, _, v, t in named(points, ("rollout",), "samples")]
+    hops = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_s")]
+    hop_max = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_max_s")]
+    return {
+        "steady_samples_per_s": steady_samples_per_s(list(published.values()), samples),
+        "busy_fraction": {
+            "rollout": last_per_writer(named(points, ("rollout",), "busy_fraction")),
+            "learner": last_per_writer(named(points, LEARNER_STAGES, "busy_fraction"))},
+        "hop_s": {"p50": percentile(hops, 50), "p95": percentile(hops, 95),
+                  "max": max(hop_max, default=None), "n": len(hops)},
+    }
+
+
+def metric_points(store, keys) -> list[Point]:
+    """Every metric point of a run, from its chunks under `metrics/`."""
+    import pyarrow.parquet as pq
+
+    from shardrl.store.keys import metrics_writer
+
+    points: list[Point] = []
+    for key in store.list(keys.root + "metrics/"):
+        if not key.endswith(".parquet"):
+            continue
+        t = pq.read_table(io.BytesIO(store.get_bytes(key)),
+                          columns=["name", "step", "value", "time"]).to_pydict()
+        writer = metrics_writer(key)
+        points += [(writer, n, s, v, w) for n, s, v, w in
+                   zip(t["name"], t["step"], t["value"], t["time"], strict=True)]
+    return points
+
+
 def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
-    """Run the pipeline; its curve, RL seconds, sample counts and the snapshot folder."""
+    """Run the pipeline; its curve, RL seconds, sample counts, the figures read from its
+    summary and metrics, and the snapshot folder."""
     from shardrl.stages.policy import MANIFEST, download_folder
     from shardrl.store import LocalStore, RunKeys
 
@@ -102,16 +222,23 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
     store, keys = LocalStore(WORK), RunKeys(run_id)
     run, done = store.get_json(keys.run_json()), store.get_json(keys.done())
     start = run["created"] + run["snapshot_seconds"]
-    curve = []
+    curve, eval_samples = [], None
     for key in sorted(k for k in store.list(keys.root + "eval/") if k.endswith(".json")):
         summary = store.get_json(key)
         published = store.get_json(keys.policy_file(summary["version"], MANIFEST))["time"]
         curve.append((max(0.0, published - start), summary["pass_at_1"]))
-    accounting = store.get_json(keys.state("runner", "summary.json"))["accounting"]
+        eval_samples = summary["prompts"] * summary["samples_per_prompt"]
+    runner = store.get_json(keys.state("runner", "summary.json"))
+    cpu_s, rl_wall_s = runner.get("cpu_s"), runner.get("rl_wall_s")
+    share = None
+    if cpu_s and rl_wall_s:
+        share = machine_share(cpu_s, MACHINE_STAGES, os.cpu_count() or 1, rl_wall_s)
     snapshot = download_folder(store, keys.policy_prefix(0), WORK / f"{run_id}-snapshot")
     return {"curve": sorted(curve), "seconds": done["time"] - start, "steps": done["steps"],
-            "samples": accounting["generated"], "consumed": accounting["consumed"],
-            "snapshot": snapshot}
+            "samples": runner["accounting"]["generated"],
+            "consumed": runner["accounting"]["consumed"], "eval_samples": eval_samples,
+            "cpu_s": cpu_s, "rl_wall_s": rl_wall_s, "machine_share": share,
+            **pipeline_figures(metric_points(store, keys)), "snapshot": snapshot}
 
 
 # -- TRL side ------------------------------------------------------------------------------
@@ -172,9 +299,10 @@ def make_budget_callback(clock_start: float, budget: float, interval: float,
 
 
 def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, eval_points: int,
-            clock_start: float) -> dict:
-    """GRPOTrainer from `snapshot` until `budget` seconds of clock (from `clock_start`,
-    evaluations excluded) are spent; its pass@1 curve and sample counts."""
+            clock_start: float | None = None) -> dict:
+    """GRPOTrainer from `snapshot` until `budget` seconds of clock (from `clock_start`, by
+    default once the libraries are imported; evaluations excluded) are spent; its pass@1
+    curve and sample counts."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -184,6 +312,7 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from shardrl.models.io import load_causal_lm, load_tokenizer
     from shardrl.tasks.source import make_task
 
+    clock_start = time.time() if clock_start is None else clock_start
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = load_config(config, overrides)
     task, lc, ro = make_task(cfg), cfg.learner, cfg.rollout
@@ -221,74 +350,125 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
             "startup_seconds": started, "eval_seconds": callback.paused}
 
 
-def trl_process(config: str, overrides: list[str], snapshot: Path, budget: float,
-                eval_points: int) -> dict:
-    """`run_trl` in a fresh process (its clock starts at launch: imports count, as they do
-    for ShardRL's stage processes)."""
+PEERS = {"trl": "bench.trl_bench", "sync": "bench.sync_baseline"}
+"""The module each peer runs in its own process (the same command-line arguments)."""
+
+
+def peer_process(peer: str, config: str, overrides: list[str], snapshot: Path, budget: float,
+                 eval_points: int, extra: list[str] | None = None) -> dict:
+    """One peer (`run_trl`, or `bench.sync_baseline.run_sync`) in a fresh process; its clock
+    starts once its libraries are imported (see the module docstring). `extra`: more
+    arguments for the peer's command line."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "trl.json"
-        cmd = [sys.executable, "-m", "bench.trl_bench", "--config", config,
+        out = Path(tmp) / f"{peer}.json"
+        cmd = [sys.executable, "-m", PEERS[peer], "--config", config,
                "--snapshot", str(snapshot), "--budget", str(budget),
-               "--eval-points", str(eval_points), "--out", str(out),
-               "--clock-start", repr(time.time())]
+               "--eval-points", str(eval_points), "--out", str(out), *(extra or [])]
         for o in overrides:
             cmd += ["--set", o]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        # OpenMP waits as it does in ShardRL's stage processes (see `passive_openmp`)
+        env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         return json.loads(out.read_text())
 
 
+def trl_process(config: str, overrides: list[str], snapshot: Path, budget: float,
+                eval_points: int) -> dict:
+    """`run_trl` in a fresh process."""
+    return peer_process("trl", config, overrides, snapshot, budget, eval_points)
+
+
 # -- driver --------------------------------------------------------------------------------
-def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int) -> dict:
-    """ShardRL's run, then TRL from its snapshot for as long; both sides and the figures."""
+def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
+               order: tuple[str, ...] = ("trl", "sync"), sync_threads: int | None = None) -> dict:
+    """ShardRL's run, then each peer in `order` from its snapshot for as long; every side
+    and the figures. `sync_threads`: the baseline's torch threads (None: one per core)."""
     s = run_shardrl(config, overrides, f"trl-bench-{tag}")
-    t = trl_process(config, overrides, s["snapshot"], s["seconds"], eval_points)
-    row = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, "trl": t}
-    for side in (row["shardrl"], row["trl"]):
-        side["final_pass"] = side["curve"][-1][1]
-        side["samples_per_s"] = side["samples"] / side["seconds"]
+    extra = {"sync": [] if sync_threads is None else ["--threads", str(sync_threads)]}
+    peers = {p: peer_process(p, config, overrides, s["snapshot"], s["seconds"], eval_points,
+                             extra.get(p))
+             for p in order}
+    row = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, **peers,
+           "order": list(order)}
+    for side in ("shardrl", *order):
+        r = row[side]
+        r["final_pass"], r["best_pass"] = r["curve"][-1][1], max(p for _, p in r["curve"])
+        r["samples_per_s"] = r["samples"] / r["seconds"]
     row["samples_per_s_ratio"] = row["shardrl"]["samples_per_s"] / row["trl"]["samples_per_s"]
-    return row | compare(s["curve"], t["curve"])
+    row |= compare(s["curve"], row["trl"]["curve"])
+    row["vs_sync"] = compare_sync(row["shardrl"], row["sync"])
+    return row
 
 
-def spread(values: list[float | None]) -> dict:
-    """Median, min and max of the defined values (and how many were undefined)."""
-    ok = [v for v in values if v is not None]
-    if not ok:
-        return {"median": None, "min": None, "max": None, "undefined": len(values)}
-    return {"median": statistics.median(ok), "min": min(ok), "max": max(ok),
-            "undefined": len(values) - len(ok)}
+SIDE_FIGURES = ("final_pass", "best_pass", "samples_per_s", "steady_samples_per_s", "seconds",
+                "steps")
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Medians and ranges over repeats of the figures and of each side's totals."""
-    out = {name: spread([row[name] for row in rows])
-           for name in ("time_ratio", "pass_gap", "samples_per_s_ratio")}
-    for side in ("shardrl", "trl"):
-        out[side] = {k: spread([row[side][k] for row in rows])
-                     for k in ("final_pass", "samples_per_s", "seconds", "steps")}
+    """Median, min and max over repeats of every figure and of each side's totals, and the
+    binomial standard error of each side's median final pass@1."""
+    def over(get: Callable[[dict], float | None], missing: str = "undefined") -> dict:
+        return spread([get(row) for row in rows], missing)
+
+    out: dict = {
+        "time_ratio": over(lambda r: r["time_ratio"], "high"),
+        "pass_gap": over(lambda r: r["pass_gap"]),
+        "samples_per_s_ratio": over(lambda r: r["samples_per_s_ratio"]),
+        "target_time_ratio": over(lambda r: r["target_time_ratio"], "high"),
+        "target": over(lambda r: r["target"]),
+        "vs_sync": {
+            "time_speedup": over(lambda r: r["vs_sync"]["time_speedup"], "low"),
+            "samples_per_s_ratio": over(lambda r: r["vs_sync"]["samples_per_s_ratio"]),
+            "samples_per_s_ratio_whole_run":
+                over(lambda r: r["vs_sync"]["samples_per_s_ratio_whole_run"]),
+            "target": over(lambda r: r["vs_sync"]["target"]),
+        },
+        "machine_share": over(lambda r: r["shardrl"].get("machine_share")),
+        "busy_fraction": {name: over(lambda r, n=name: r["shardrl"]["busy_fraction"][n])
+                          for name in ("rollout", "learner")},
+        "hop_s": {q: over(lambda r, q=q: r["shardrl"]["hop_s"].get(q))
+                  for q in ("p50", "p95", "max")},
+    }
+    n = rows[0]["shardrl"].get("eval_samples")
+    out["eval_samples"] = n
+    for side in ("shardrl", "trl", "sync"):
+        out[side] = {k: over(lambda r, s=side, k=k: r[s].get(k)) for k in SIDE_FIGURES}
+        median = out[side]["final_pass"]["median"]
+        out[side]["final_pass_se"] = None if n is None or median is None else binomial_se(median, n)
     return out
+
+
+def fmt(value: float | None, spec: str = ".2f", never: str = "never reached") -> str:
+    return never if value is None else format(value, spec)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="demo")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=10,
-                        help="ShardRL evaluates every this many versions; TRL as often in time")
+                        help="ShardRL evaluates every this many versions; the peers as often "
+                             "in time")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="config override for both systems")
+                        metavar="KEY=VALUE", help="config override for every system")
+    parser.add_argument("--sync-threads", type=int,
+                        help="torch threads of the synchronous baseline (default: one per core)")
     trl_only = parser.add_argument_group("TRL side only (what the benchmark runs in a process)")
     trl_only.add_argument("--snapshot", type=Path, help="HF folder to start TRL from")
     trl_only.add_argument("--budget", type=float, help="seconds of TRL clock")
     trl_only.add_argument("--eval-points", type=int, default=6)
-    trl_only.add_argument("--clock-start", type=float, help="epoch seconds (default: now)")
+    trl_only.add_argument("--clock-start", type=float,
+                          help="epoch seconds (default: once the libraries are imported)")
     trl_only.add_argument("--out", type=Path, help="JSON written here")
     args = parser.parse_args()
     if args.snapshot is not None:
         if args.budget is None or args.out is None:
             parser.error("--snapshot needs --budget and --out")
+        from bench.sync_baseline import passive_openmp
+
+        passive_openmp()
         result = run_trl(args.config, args.overrides, args.snapshot, args.budget,
-                         args.eval_points, args.clock_start or time.time())
+                         args.eval_points, args.clock_start)
         args.out.write_text(json.dumps(result))
         return
 
@@ -299,16 +479,25 @@ def main() -> None:
     steps = load_config(args.config, overrides).learner.total_steps
     eval_points = max(1, steps // args.eval_every)
     rows = []
-    for r in range(args.repeats):
-        rows.append(one_repeat(args.config, overrides, f"{int(time.time())}-{r}", eval_points))
+    for r in range(args.repeats):  # the peers' order alternates: drifting load hits both
+        order = ("trl", "sync") if r % 2 == 0 else ("sync", "trl")
+        rows.append(one_repeat(args.config, overrides, f"{int(time.time())}-{r}", eval_points,
+                               order, args.sync_threads))
         print(json.dumps(rows[-1]), flush=True)
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
-               "trl_version": importlib.metadata.version("trl"), "rows": rows} | summarize(rows)
-    tr, gap = summary["time_ratio"]["median"], summary["pass_gap"]["median"]
-    print(f"ShardRL time to TRL's final pass@1 / TRL's time: "
-          f"{'never reached' if tr is None else f'{tr:.2f}'} (target <= 0.5) | "
-          f"pass@1 gap at TRL's final time: {gap:+.3f} (target >= 0) | "
-          f"samples/s ShardRL / TRL: {summary['samples_per_s_ratio']['median']:.2f}")
+               "trl_version": importlib.metadata.version("trl"),
+               "sync_threads": args.sync_threads or os.cpu_count(), "rows": rows
+               } | summarize(rows)
+    vs = summary["vs_sync"]
+    print(f"time to 70% of TRL's gain, ShardRL / TRL: "
+          f"{fmt(summary['target_time_ratio']['median'])} (target <= 1.0, aim 0.5) | "
+          f"samples/s ShardRL / TRL: {fmt(summary['samples_per_s_ratio']['median'])} "
+          f"(target >= 1.0, aim 1.5) | time to 70% of sync's gain, sync / ShardRL: "
+          f"{fmt(vs['time_speedup']['median'], never='ShardRL never reached it')} "
+          f"(target >= 1.25) | steady samples/s ShardRL / sync: "
+          f"{fmt(vs['samples_per_s_ratio']['median'], never='not measured')} | "
+          f"machine share {fmt(summary['machine_share']['median'], never='not recorded')} "
+          f"(target >= 0.8)")
     merge_results("trl", summary)
 
 

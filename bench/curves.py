@@ -1,0 +1,142 @@
+"""Pure arithmetic of the peer comparisons (bench/trl_bench.py, bench/sync_baseline.py).
+
+A curve is held-out pass@1 against seconds of RL wall clock, sampled at evaluations, in
+time order, starting at the shared SFT snapshot (t=0). Nothing here reads files or clocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+Curve = list[tuple[float, float]]
+"""(seconds of RL wall clock, held-out pass@1), in time order."""
+
+TARGET_FRACTION = 0.7
+"""Share of a reference system's gain over the snapshot that the time-to-target figures use."""
+
+
+def time_to_reach(curve: Curve, target: float) -> float | None:
+    """Seconds of the first point whose pass@1 is at least `target`; None if none is.
+
+    The curve is sampled at evaluations, so this is the first *measured* time, an upper
+    bound on when the rate was first reached (no interpolation between points).
+    """
+    return next((t for t, p in curve if p >= target - 1e-9), None)
+
+
+def pass_at(curve: Curve, seconds: float) -> float:
+    """pass@1 of the newest point at or before `seconds`: what a user has at that time."""
+    before = [p for t, p in curve if t <= seconds]
+    if not before:
+        raise ValueError(f"the curve has no point at or before {seconds:.1f}s")
+    return before[-1]
+
+
+def target_pass(v0: float, best: float, fraction: float = TARGET_FRACTION) -> float | None:
+    """`v0 + fraction * (best - v0)`: a pass@1 that closes `fraction` of a system's gain
+    over the snapshot. None when the system gained nothing (`best <= v0`): no target."""
+    if best <= v0:
+        return None
+    return v0 + fraction * (best - v0)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator; None when either is undefined or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def time_to_target(reference: Curve, *others: Curve,
+                   fraction: float = TARGET_FRACTION) -> dict:
+    """The target from `reference` (v0 = its t=0 point, `fraction` of its best gain) and
+    each curve's first measured time at or above it: `reference` first, then `others`.
+
+    {"v0", "best", "target", "seconds": [reference's time, *others' times]}; a time is None
+    when that curve never reaches the target, and every time is None without a target.
+    """
+    v0, best = reference[0][1], max(p for _, p in reference)
+    target = target_pass(v0, best, fraction)
+    curves = (reference, *others)
+    seconds = [None if target is None else time_to_reach(c, target) for c in curves]
+    return {"v0": v0, "best": best, "target": target, "seconds": seconds}
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a pass rate `p` measured on `n` independent samples,
+    sqrt(p (1 - p) / n)."""
+    if n <= 0:
+        raise ValueError(f"need n >= 1 samples, got {n}")
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n)
+
+
+def samples_between(events: Iterable[tuple[float, float]], start: float, end: float) -> float:
+    """Sum of the counts of the events `(time, count)` with `start < time <= end`."""
+    return sum(n for t, n in events if start < t <= end)
+
+
+def steady_samples_per_s(version_times: Sequence[float],
+                         sample_events: Iterable[tuple[float, float]]) -> float | None:
+    """Generated samples per second between the first and the last published version.
+
+    `version_times`: when each policy version after the snapshot was published (any order);
+    `sample_events`: `(time, samples)` per generation call, timed when it finished. The
+    samples finished after the first version and up to the last, over the time between
+    them: start-up (imports, model loading, the wait for the first batch) and the tail after
+    the last version are left out. None with fewer than two versions or no time between them.
+    """
+    times = sorted(version_times)
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return samples_between(sample_events, times[0], times[-1]) / (times[-1] - times[0])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation between order statistics;
+    None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def machine_share(cpu_s: dict[str, float], stages: Iterable[str], cores: int,
+                  wall_s: float) -> float | None:
+    """CPU seconds of `stages` (those present in `cpu_s`) over `cores x wall_s`: the share
+    of the machine those stages kept busy. None without any of them or without wall time."""
+    present = [cpu_s[s] for s in stages if s in cpu_s]
+    if not present or cores <= 0 or wall_s <= 0:
+        return None
+    return sum(present) / (cores * wall_s)
+
+
+def spread(values: Sequence[float | None], missing: str = "undefined") -> dict:
+    """Median, min and max over repeats, and how many values were None.
+
+    `missing` says what a None is. "undefined": left out (e.g. a figure whose inputs were
+    not recorded). "high": worse than any number of a lower-is-better figure (a time ratio
+    whose target was never reached), so it sorts above every number; "low": likewise for a
+    higher-is-better figure (a speedup). A median, min or max that falls on a None is None;
+    with an even count the median is the mean of the middle two, None if either is.
+    """
+    if missing not in ("undefined", "high", "low"):
+        raise ValueError(f"missing must be 'undefined', 'high' or 'low', got {missing!r}")
+    none = sum(v is None for v in values)
+    ordered: list[float | None] = sorted(v for v in values if v is not None)
+    if missing == "high":
+        ordered = ordered + [None] * none
+    elif missing == "low":
+        ordered = [None] * none + ordered
+    if not ordered:
+        return {"median": None, "min": None, "max": None, "undefined": none}
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        median = ordered[mid]
+    else:
+        a, b = ordered[mid - 1], ordered[mid]
+        median = None if a is None or b is None else (a + b) / 2
+    return {"median": median, "min": ordered[0], "max": ordered[-1], "undefined": none}

@@ -1,0 +1,406 @@
+"""A fair synchronous baseline: ShardRL's own math in one process, without the object store.
+
+The loop is generate -> verify -> group advantages and filtering -> one policy update,
+strictly in turn, on one model in memory, with every core (`torch.set_num_threads(
+os.cpu_count())`; `--threads` sets another count: on a small model, or on cores other work
+is using, fewer threads can be faster) and, as the local runner gives every ShardRL stage,
+`OMP_WAIT_POLICY=PASSIVE` unless the environment sets it (`passive_openmp`). Each piece is the library's, called as the pipeline's stages call it:
+
+- generate: `HFEngine.generate` on the training prompt stream of rollout worker 0
+  (`task.train_items(0, seq, rollout.prompts_per_shard)`, shard `seq` by shard), with the
+  rollout's group size, temperature, top-p and response length; prompts too long for the
+  model's context are skipped as the rollout stage skips them. The shards one round needs
+  are sampled in one batched call (the rollout stage samples one shard per call).
+- verify: the score stage's reward (`build_reward`: the configured verifiers).
+- prepare: per shard, as the prepare stage does, `shape_rewards` (with the running reward
+  moments when `algo.shaping.normalize`), the `group` advantage estimator with the config's
+  normalisation over the shard's valid rows, `zero_variance_keep`, non-finite rows dropped,
+  and No-Positive-Resampling's pass-rate history when it is on.
+- update: exactly when the learner would step, i.e. once the shards since the last step hold
+  `learner.batch_prompts` prompt groups kept by filtering (more shards are generated until
+  they do, or until `FILTERED_LIMIT` batches' worth of groups are in); `compute_loss` of the
+  update stage on the kept rows, then the torch learner backend's AdamW (the config's lr,
+  betas, weight decay and gradient clip) at `lr x lr_schedule(version)` (warmup and decay).
+
+What it does not cover (it raises): KL terms (a reference model), GAE (a critic) and the vLLM
+engine. The baseline is on-policy (every sample is from the current weights).
+
+Its clock starts once torch, transformers and the library are imported (`--clock-start`,
+epoch seconds, sets another start; model loading counts, as ShardRL's stage start-up does)
+and is paused while held-out pass@1 is measured: `bench.demo_control.heldout_pass`, the
+function, engine and sampling seed the TRL side is evaluated with, on all held-out prompts;
+at t=0 (the snapshot), every `budget / eval_points` seconds of clock, and when the budget is
+spent. Its samples are every generated sample, filtered ones included (ShardRL's accounting).
+
+    .venv/bin/python -m bench.sync_baseline --snapshot DIR --budget 90 --out sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from bench.curves import steady_samples_per_s
+
+GROUP_ID = "w00-{seq:06d}-{i:03d}"
+"""Group ids as the rollout stage names them (worker 0)."""
+
+
+def passive_openmp() -> None:
+    """Idle OpenMP threads sleep rather than spin (`OMP_WAIT_POLICY=PASSIVE`, unless the
+    environment chooses), as the local runner sets for every ShardRL stage: spinning threads
+    take cores other processes need, which made a 2-thread baseline step many times slower on
+    a busy 2-core machine. Takes effect only before torch is imported."""
+    os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
+
+
+class PausableClock:
+    """Seconds since `start` (epoch seconds), less the time spent in `paused`."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.paused_s = start, 0.0
+
+    def now(self) -> float:
+        return time.time() - self.start - self.paused_s
+
+    def paused(self, fn, *args):
+        """`fn(*args)` with the clock stopped."""
+        t0 = time.time()
+        try:
+            return fn(*args)
+        finally:
+            self.paused_s += time.time() - t0
+
+
+def check_supported(cfg) -> None:
+    """Raise for what this baseline does not reproduce (see the module docstring)."""
+    algo = cfg.algo
+    problems = []
+    if algo.kl.placement != "none":
+        problems.append("algo.kl.placement must be 'none' (no reference model here)")
+    if algo.advantages.estimator != "group" or algo.critic is not None:
+        problems.append("algo.advantages.estimator must be 'group' without a critic")
+    if cfg.rollout.engine != "hf":
+        problems.append("rollout.engine must be 'hf'")
+    if cfg.learner.backend.kind != "torch":
+        problems.append("learner.backend.kind must be 'torch' (one process)")
+    if problems:
+        raise ValueError("the synchronous baseline does not cover this config: "
+                         + "; ".join(problems))
+
+
+class SyncTrainer:
+    """The pieces of one synchronous run, and its counters."""
+
+    def __init__(self, cfg, snapshot: Path, threads: int | None = None) -> None:
+        import torch
+
+        from shardrl.algo import PassRateTracker, RunningMoments
+        from shardrl.engines.hf import HFEngine
+        from shardrl.learner_backends import build_backend
+        from shardrl.models.io import load_causal_lm, load_tokenizer
+        from shardrl.tasks.rewards import build_reward
+        from shardrl.tasks.source import make_task
+
+        check_supported(cfg)
+        self.threads = threads or os.cpu_count() or 1
+        torch.set_num_threads(self.threads)
+        self.cfg = cfg
+        self.task = make_task(cfg)
+        self.model, self.tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
+        self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        self.engine = HFEngine(self.model, eos_token_id=self.tokenizer.eos_token_id,
+                               pad_token_id=self.tokenizer.pad_token_id,
+                               fp32_lm_head=cfg.model.fp32_lm_head, version=0)
+        self.reward = build_reward(cfg, self.task)
+        self.backend = build_backend(cfg.learner, self.model)
+        npr = cfg.algo.filters.no_positive_resampling
+        self.moments = RunningMoments()
+        self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
+                                       min_samples=npr.min_samples)
+        self.seq = 0
+        """The next shard's sequence number (worker 0's prompt stream)."""
+        self.empty = 0
+        """Shards in a row without a prompt that fits the context."""
+        self.version = 0
+        self.counts = {"generated": 0, "consumed": 0, "filtered": 0, "skipped_steps": 0}
+        self.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
+
+    # -- one round of generation ----------------------------------------------------------
+    def _prompts(self, seq: int) -> list:
+        """The rollout stage's prompts of shard `seq` (worker 0), too-long ones skipped."""
+        rc = self.cfg.rollout
+        n = rc.prompts_per_shard
+        if self.cfg.algo.filters.no_positive_resampling.enabled:
+            retired = self.tracker.retired()
+            items = [it for it in self.task.train_items(0, seq, 4 * n)
+                     if it.prompt_id not in retired][:n] or self.task.train_items(0, seq, n)
+        else:
+            items = self.task.train_items(0, seq, n)
+        if self.context is None:
+            return items
+        return [it for it in items
+                if len(self.tokenizer(it.prompt)["input_ids"]) + rc.max_new_tokens
+                <= self.context]
+
+    def generate(self, shards: int, clock: PausableClock,
+                 events: list[tuple[float, float]]) -> list:
+        """`shards` rollout shards (tables with the ROLLOUT columns) from one batched call."""
+        import pyarrow as pa
+
+        from shardrl.store.schemas import ROLLOUT
+
+        rc, cfg = self.cfg.rollout, self.cfg
+        from shardrl.stages.rollout import MAX_EMPTY_SHARDS
+
+        per_shard = [(self.seq + s, self._prompts(self.seq + s)) for s in range(shards)]
+        self.seq += shards
+        for _, its in per_shard:
+            self.empty = 0 if its else self.empty + 1
+        if self.empty >= MAX_EMPTY_SHARDS:  # as the rollout stage gives up
+            raise RuntimeError(f"{self.empty} shards in a row had only prompts longer than "
+                               f"the model's context ({self.context} tokens)")
+        per_shard = [(seq, items) for seq, items in per_shard if items]
+        items = [it for _, its in per_shard for it in its]
+        if not items:
+            return []
+        started = time.monotonic()
+        self.model.eval()
+        prompt_ids = [self.tokenizer(it.prompt)["input_ids"] for it in items]
+        groups = self.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
+                                      top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
+                                      seed=cfg.seed * 1_000_003 + per_shard[0][0])
+        self.seconds["generate"] += time.monotonic() - started
+        n = sum(len(g) for g in groups)
+        self.counts["generated"] += n
+        events.append((clock.now(), float(n)))
+        tables, at = [], 0
+        now = time.time()
+        for seq, its in per_shard:
+            cols: dict[str, list] = {name: [] for name in ROLLOUT.names}
+            for i, item in enumerate(its):
+                ids, samples = prompt_ids[at + i], groups[at + i]
+                for j, s in enumerate(samples):
+                    row = {"prompt_id": item.prompt_id, "group_id": GROUP_ID.format(seq=seq, i=i),
+                           "sample_idx": j, "policy_version": self.version, "worker": 0,
+                           "prompt_text": item.prompt, "prompt_token_ids": ids,
+                           "response_token_ids": s.token_ids, "behavior_logprobs": s.logprobs,
+                           "finish_reason": s.finish_reason,
+                           "response_text": self.tokenizer.decode(s.token_ids,
+                                                                  skip_special_tokens=True),
+                           "answer": item.answer, "category": item.category, "created_at": now}
+                    for name, value in row.items():
+                        cols[name].append(value)
+            at += len(its)
+            tables.append(pa.table(cols, schema=ROLLOUT))
+        return tables
+
+    # -- score and prepare, as the stages do per shard -------------------------------------
+    def score(self, table):
+        """The scored shard: the score stage's columns (no reference logprobs)."""
+        import pyarrow as pa
+
+        from shardrl.store.schemas import SCORED
+
+        result = self.reward.score_table(table)
+        out = table
+        for name in ("reward_verifier", "reward_model", "reward_rm", "correct", "reward_error"):
+            out = out.append_column(SCORED.field(name),
+                                    pa.array(result[name], type=SCORED.field(name).type))
+        field = SCORED.field("ref_logprobs")
+        return out.append_column(field, pa.array([None] * len(table), type=field.type))
+
+    def prepare(self, table):
+        """The ready shard: the prepare stage's advantages, keep flags and reasons."""
+        import numpy as np
+        import pyarrow as pa
+
+        from shardrl.stages.prepare import invalid_rows
+
+        reasons = invalid_rows(table)
+        valid = np.array([r is None for r in reasons], dtype=bool)  # (B,)
+        total = np.zeros(len(table), np.float32)  # (B,)
+        adv = np.zeros(len(table), np.float32)  # (B,)
+        keep = np.zeros(len(table), bool)  # (B,)
+        if valid.any():
+            sub_total, sub_adv, sub_keep, sub_reasons = self._shape(table.filter(pa.array(valid)))
+            total[valid], adv[valid], keep[valid] = sub_total, sub_adv, sub_keep
+            for i, reason in zip(np.flatnonzero(valid).tolist(), sub_reasons, strict=True):
+                reasons[i] = reason
+        out = table.append_column("reward_total", pa.array(total, pa.float32()))
+        out = out.append_column("advantage", pa.array(adv, pa.float32()))
+        out = out.append_column("keep", pa.array(keep, pa.bool_()))
+        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
+        self.tracker.update(out.column("prompt_id").to_pylist(),
+                            out.column("correct").to_pylist())
+        return out
+
+    def _shape(self, table):
+        """(reward_total, advantage, keep, filter_reason) of the rows with finite numbers."""
+        import numpy as np
+        import torch
+
+        from shardrl.algo import get_advantage_estimator, shape_rewards, zero_variance_keep
+
+        algo = self.cfg.algo
+        reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
+        group_ids = torch.from_numpy(
+            np.unique(table.column("group_id").to_numpy(zero_copy_only=False),
+                      return_inverse=True)[1].astype(np.int64))  # (B,)
+        moments = None
+        if algo.shaping.normalize:
+            self.moments.update(reward_rm)
+            moments = self.moments
+        total = shape_rewards(reward_rm, torch.zeros_like(reward_rm), moments=moments,
+                              clip=algo.shaping.clip, alpha=algo.shaping.alpha, beta=0.0,
+                              clip_before_norm=algo.shaping.clip_before_norm)
+        ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
+        adv = get_advantage_estimator("group")(total, ones, group_ids=group_ids,
+                                               norm=algo.advantages.norm)[0][:, 0]
+        if algo.filters.zero_variance:
+            keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
+        else:
+            keep = torch.ones_like(reward_rm, dtype=torch.bool)
+        finite = torch.isfinite(total) & torch.isfinite(adv)
+        reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
+                   for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
+        keep = keep & finite
+        return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
+                reasons)
+
+    # -- one learner step ------------------------------------------------------------------
+    def batch(self, clock: PausableClock, events: list[tuple[float, float]]):
+        """Ready shards until `batch_prompts` kept groups (or the filtered limit), in order,
+        as the learner's `next_batch` takes them; one table of all their rows."""
+        import pyarrow as pa
+
+        from shardrl.stages.learn import FILTERED_LIMIT
+
+        b, per = self.cfg.learner.batch_prompts, self.cfg.rollout.prompts_per_shard
+        ready, kept, total = [], set(), set()
+        while len(kept) < b and len(total) < FILTERED_LIMIT * b:
+            # a shard adds at most `per` groups: this many never overshoot either condition
+            need = min(math.ceil((b - len(kept)) / per),
+                       math.ceil((FILTERED_LIMIT * b - len(total)) / per))
+            shards = self.generate(need, clock, events)
+            started = time.monotonic()
+            for table in shards:
+                table = self.prepare(self.score(table))
+                ready.append(table)
+                ids = table.column("group_id").to_pylist()
+                total.update(ids)
+                kept.update(g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True)
+                            if k)
+            self.seconds["score_prepare"] += time.monotonic() - started
+        return pa.concat_tables(ready)
+
+    def update(self, table) -> bool:
+        """The learner's update on the kept rows; True when a step was applied."""
+        from shardrl.algo import lr_schedule
+        from shardrl.stages.update import compute_loss
+
+        lc = self.cfg.learner
+        kept = table.filter(table.column("keep"))
+        self.counts["consumed"] += len(kept)
+        self.counts["filtered"] += len(table) - len(kept)
+        if not len(kept):  # as the learner: no update, and not counted as a skipped step
+            return False
+        started = time.monotonic()
+        scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
+                            total_steps=lc.total_steps, kind=lc.schedule,
+                            min_ratio=lc.min_lr_ratio)
+        self.backend.set_lr("policy", lc.lr * scale)
+        self.model.train()
+        loss, _, _ = compute_loss(self.cfg, self.backend.policy, kept,
+                                  self.tokenizer.pad_token_id, 0.0, None)
+        applied, _ = self.backend.step(loss)
+        self.model.eval()
+        self.seconds["update"] += time.monotonic() - started
+        if applied:
+            self.version += 1
+            self.engine.version = self.version
+        else:
+            self.counts["skipped_steps"] += 1
+        return applied
+
+
+def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
+             eval_points: int, clock_start: float | None = None,
+             threads: int | None = None) -> dict:
+    """Synchronous training from `snapshot` until `budget` seconds of clock (from
+    `clock_start`, by default once the libraries are imported; evaluations excluded) are
+    spent, on `threads` torch threads (None: one per core); its pass@1 curve and sample
+    counts."""
+    import transformers  # noqa: F401 - imported before the clock starts, as in ShardRL
+
+    import shardrl.engines.hf  # noqa: F401
+    import shardrl.learner_backends  # noqa: F401
+    import shardrl.stages.update  # noqa: F401
+    from bench.demo_control import heldout_pass
+    from shardrl.config import load_config
+
+    clock = PausableClock(time.time() if clock_start is None else clock_start)
+    cfg = load_config(config, overrides)
+    trainer = SyncTrainer(cfg, snapshot, threads)
+
+    def evaluate() -> float:
+        value = heldout_pass(trainer.model, trainer.tokenizer, cfg, trainer.task)
+        trainer.model.eval()
+        return value
+
+    interval = budget / max(eval_points, 1)
+    curve = [(0.0, clock.paused(evaluate))]
+    started = clock.now()
+    next_eval = interval
+    events: list[tuple[float, float]] = []
+    """(clock seconds when a generation call ended, samples it generated)"""
+    step_times: list[float] = []
+    """clock seconds at which each version after the snapshot was made"""
+    while True:
+        table = trainer.batch(clock, events)
+        if trainer.update(table):
+            step_times.append(clock.now())
+        at = clock.now()
+        if at >= budget or at >= next_eval:
+            curve.append((at, clock.paused(evaluate)))
+            while next_eval <= at:
+                next_eval += interval
+        if at >= budget:
+            break
+    seconds = curve[-1][0]
+    return {"curve": curve, "seconds": seconds, "steps": trainer.version,
+            "samples": trainer.counts["generated"], **{k: v for k, v in trainer.counts.items()
+                                                       if k != "generated"},
+            "samples_per_s": trainer.counts["generated"] / seconds,
+            "steady_samples_per_s": steady_samples_per_s(step_times, events),
+            "startup_seconds": started, "eval_seconds": clock.paused_s,
+            "phase_seconds": trainer.seconds, "threads": trainer.threads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="demo")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--snapshot", type=Path, required=True,
+                        help="HF folder to start from (a run's policy/v000000/)")
+    parser.add_argument("--budget", type=float, required=True, help="seconds of clock")
+    parser.add_argument("--eval-points", type=int, default=6)
+    parser.add_argument("--clock-start", type=float,
+                        help="epoch seconds (default: once the libraries are imported)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON written here")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads (default: one per core, os.cpu_count())")
+    args = parser.parse_args()
+    passive_openmp()
+    result = run_sync(args.config, args.overrides, args.snapshot, args.budget,
+                      args.eval_points, args.clock_start, args.threads)
+    args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
