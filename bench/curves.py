@@ -140,3 +140,14 @@ def spread(values: Sequence[float | None], missing: str = "undefined") -> dict:
         a, b = ordered[mid - 1], ordered[mid]
         median = None if a is None or b is None else (a + b) / 2
     return {"median": median, "min": ordered[0], "max": ordered[-1], "undefined": none}
+
+
+def steady_busy_fraction(points: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """Busy share of one process over [start, end] from its cumulative busy seconds
+    `points` (unix time, busy seconds so far), in time order: the busy seconds gained
+    between its first and last point inside the window over the time between them (start-up
+    and the tail after the window are left out). None with fewer than two points inside."""
+    inside = [(t, b) for t, b in points if start <= t <= end]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])

@@ -136,10 +136,36 @@ def _trl(r: dict) -> Iterator[Row]:
         yield ("trl", "ShardRL machine share: stage CPU seconds / (cores x RL wall clock)",
                ">= 0.8", _spread(r["machine_share"], none="not recorded"))
         busy = r["busy_fraction"]
-        yield ("trl", "ShardRL rollout busy fraction (whole run)", ">= 0.85",
+        steady = r.get("steady_busy_fraction", {})
+        if steady:
+            yield ("trl", "ShardRL rollout busy fraction, steady state (mean over workers)",
+                   ">= 0.85", _spread(steady["rollout"], none="not recorded"))
+            yield ("trl", "ShardRL learner busy fraction, steady state: wall / CPU seconds "
+                   "of updates (CPU: without contention inflation)", "",
+                   " / ".join(_spread(steady[n], none="not recorded")
+                              for n in ("learner", "learner_cpu")))
+        yield ("trl", "ShardRL rollout busy fraction (whole run, start-up included)", "",
                _spread(busy["rollout"], none="not recorded"))
-        yield ("trl", "ShardRL learner busy fraction (whole run)", "",
+        yield ("trl", "ShardRL learner busy fraction (whole run, start-up included)", "",
                _spread(busy["learner"], none="not recorded"))
+        if "profile" in r:
+            prof = r["profile"]
+            ms = {k: (v["median"] * 1000 if v and v["median"] is not None else None)
+                  for k, v in prof.items()}
+
+            def f(k: str) -> str:
+                return "n/a" if ms.get(k) is None else f"{ms[k]:.1f}"
+            yield ("trl", "profile, steady state (median ms): learner step = update / commit "
+                   "on the step's path / reading shards / waiting for data", "",
+                   " / ".join(f(f"learn/{n}") for n in ("update_s", "commit_s", "read_s",
+                                                          "wait_s")))
+            yield ("trl", "profile, steady state (median ms): rollout shard = its share of "
+                   "generation / scoring and prepare inline (writes run on a background thread)",
+                   "", " / ".join(f(f"rollout/{n}") for n in ("generate_s", "post_s")))
+        if "resume_lag_s" in r:
+            yield ("trl", "ShardRL hop, learner commit -> paused worker resumes (s): p50 / p95",
+                   "", " / ".join(_spread(r["resume_lag_s"][q], ".3f", "not recorded")
+                                  for q in ("p50", "p95")))
         hop = r["hop_s"]
         yield ("trl", "ShardRL hop, shard generated -> read by the learner (s): p50 / p95 of "
                "the per-step medians / max", "",

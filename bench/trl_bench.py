@@ -44,7 +44,11 @@ Figures per repeat (each reported as median, min and max over repeats):
   `samples_per_s_ratio_whole_run` divides the whole-run rates instead.
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
   processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
-- `busy_fraction` (rollout, learner: the stages' last reported whole-run values) and `hop_s`
+- `steady_busy_fraction` (rollout, learner: busy seconds gained between the first and the last
+  new version over that time; `learner_cpu` counts the learner's CPU seconds of updates, so
+  an update slowed by a shared core is not counted busier), `busy_fraction` (whole-run values,
+  start-up included), `resume_lag_s` (a paused worker: the learner's commit to its resuming)
+  and `hop_s`
   (the learner's hand-off latency: seconds from a shard's generation to the learner reading
   its ready shard; the learner logs each step's median and maximum; `p50` and `p95` are over
   those per-step medians, `max` the largest), read from the run's metric chunks when the
@@ -87,6 +91,7 @@ from bench.curves import (
     percentile,
     ratio,
     spread,
+    steady_busy_fraction,
     steady_samples_per_s,
     time_to_reach,
     time_to_target,
@@ -180,14 +185,53 @@ def pipeline_figures(points: list[Point]) -> dict:
     samples = [(t, v) for _, _, _, v, t in named(points, ("rollout",), "samples")]
     hops = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_s")]
     hop_max = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_max_s")]
+    resumes = [v for _, _, _, v, _ in named(points, ("rollout",), "resume_lag_s")]
+    window = (min(published.values()), max(published.values())) if published else (0.0, 0.0)
     return {
         "steady_samples_per_s": steady_samples_per_s(list(published.values()), samples),
         "busy_fraction": {
             "rollout": last_per_writer(named(points, ("rollout",), "busy_fraction")),
             "learner": last_per_writer(named(points, LEARNER_STAGES, "busy_fraction"))},
+        "steady_busy_fraction": {
+            "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
+            "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
+            "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)},
         "hop_s": {"p50": percentile(hops, 50), "p95": percentile(hops, 95),
                   "max": max(hop_max, default=None), "n": len(hops)},
+        "resume_lag_s": {"p50": percentile(resumes, 50), "p95": percentile(resumes, 95),
+                         "n": len(resumes)},
+        "profile": step_profile(points, window),
     }
+
+
+PROFILE = {"learn": ("update_s", "commit_s", "read_s", "wait_s"),
+           "rollout": ("generate_s", "post_s")}
+"""Per-step learner timings and per-shard rollout timings that make the steady-state profile."""
+
+
+def step_profile(points: list[Point], window: tuple[float, float]) -> dict:
+    """Median seconds of each profiled timing inside `window`: a learner step (its update,
+    the commit's part on the step's path, reading shards, waiting for data) and a rollout
+    shard (its share of the batch's generation, scoring and prepare inline)."""
+    out = {}
+    for stage, names in PROFILE.items():
+        stages = LEARNER_STAGES if stage == "learn" else (stage,)
+        for name in names:
+            values = [v for _, _, _, v, t in named(points, stages, name)
+                      if window[0] <= t <= window[1]]
+            out[f"{stage}/{name}"] = percentile(values, 50)
+    return out
+
+
+def steady_busy(points: list[Point], window: tuple[float, float]) -> float | None:
+    """Mean over writers of each one's busy share inside `window` (cumulative `busy_s`
+    points; see `bench.curves.steady_busy_fraction`)."""
+    by_writer: dict[str, list[tuple[float, float]]] = {}
+    for writer, _, _, value, t in points:
+        by_writer.setdefault(writer, []).append((t, value))
+    values = [v for series in by_writer.values()
+              if (v := steady_busy_fraction(series, *window)) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def metric_points(store, keys) -> list[Point]:
@@ -428,6 +472,13 @@ def summarize(rows: list[dict]) -> dict:
                           for name in ("rollout", "learner")},
         "hop_s": {q: over(lambda r, q=q: r["shardrl"]["hop_s"].get(q))
                   for q in ("p50", "p95", "max")},
+        "steady_busy_fraction": {
+            name: over(lambda r, n=name: r["shardrl"].get("steady_busy_fraction", {}).get(n))
+            for name in ("rollout", "learner", "learner_cpu")},
+        "resume_lag_s": {q: over(lambda r, q=q: r["shardrl"].get("resume_lag_s", {}).get(q))
+                         for q in ("p50", "p95")},
+        "profile": {name: over(lambda r, n=name: r["shardrl"].get("profile", {}).get(n))
+                    for name in (f"{st}/{m}" for st, ms in PROFILE.items() for m in ms)},
     }
     n = rows[0]["shardrl"].get("eval_samples")
     out["eval_samples"] = n

@@ -185,7 +185,11 @@ def test_pipeline_figures_from_hand_made_metrics():
 def test_pipeline_figures_tolerate_missing_metrics():
     assert pipeline_figures([]) == {
         "steady_samples_per_s": None, "busy_fraction": {"rollout": None, "learner": None},
-        "hop_s": {"p50": None, "p95": None, "max": None, "n": 0}}
+        "steady_busy_fraction": {"rollout": None, "learner": None, "learner_cpu": None},
+        "hop_s": {"p50": None, "p95": None, "max": None, "n": 0},
+        "resume_lag_s": {"p50": None, "p95": None, "n": 0},
+        "profile": {"learn/update_s": None, "learn/commit_s": None, "learn/read_s": None,
+                    "learn/wait_s": None, "rollout/generate_s": None, "rollout/post_s": None}}
     assert last_per_writer([]) is None
 
 
@@ -225,3 +229,13 @@ def test_table_cell_of_a_spread():
     assert _spread({"median": 1.5, "min": 1.5, "max": 1.5, "undefined": 0}) == "1.50"
     assert _spread({"median": None, "min": None, "max": None, "undefined": 3},
                    none="not recorded") == "not recorded"
+
+
+def test_steady_busy_fraction_uses_the_window_only():
+    from bench.curves import steady_busy_fraction
+
+    # busy 1 s of the first 10 s (start-up), then 7.5 s of the next 10 s
+    points = [(100.0, 0.5), (110.0, 1.0), (114.0, 4.0), (120.0, 8.5), (130.0, 9.0)]
+    assert steady_busy_fraction(points, 110.0, 120.0) == (8.5 - 1.0) / 10.0
+    assert steady_busy_fraction(points, 111.0, 119.0) is None  # one point inside
+    assert steady_busy_fraction([], 0.0, 1.0) is None

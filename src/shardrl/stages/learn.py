@@ -126,12 +126,16 @@ class Learner:
         waiting for data, seconds from its generation to its reading (scoring, prepare and
         the store writes included; queueing behind a busy learner is not)."""
         self.waiting = False
+        self.read_s = self.wait_s = 0.0
+        """Seconds reading shards and waiting for data since the last step (its profile)."""
         self.buffer: list[tuple[str, pa.Table]] = []
         """(key, table) of read shards not yet committed, oldest version first."""
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
         self.pending: Future | None = None
         """The store writes in flight (one commit)."""
         self.busy_s = 0.0
+        self.busy_cpu_s = 0.0
+        """CPU seconds of updates (this thread): busy time without waits for a shared core."""
         self.started = time.monotonic()
         from ..doctor.live import LiveDoctor
 
@@ -143,7 +147,9 @@ class Learner:
         return effective_k(lc.max_staleness, self.version, lc.total_steps, lc.halve_staleness_at)
 
     def admit(self, key: str) -> None:
+        started = time.monotonic()
         table = read_or_quarantine(self.ctx.store, key, READY, "learn")
+        self.read_s += time.monotonic() - started
         if table is None:
             self.ctx.log.warning("quarantined %s", key)
             return
@@ -247,7 +253,9 @@ class Learner:
             else:
                 if ctx.once and ctx.done():
                     return 0
+                waited = time.monotonic()
                 self.arrivals.wait(lc.poll_interval_s)
+                self.wait_s += time.monotonic() - waited
                 self.waiting = True
         self._wait()
         ctx.store.put_json(ctx.keys.done(), {
@@ -260,7 +268,7 @@ class Learner:
     def step(self, n: int) -> None:
         """One update on the first `n` buffered shards, then their commit."""
         lc = self.cfg.learner
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         batch = [(key, table, self.outcome(key)) for key, table in self.buffer[:n]]
         table = pa.concat_tables([t for _, t, outcome in batch if outcome == "admitted"])
         kept = table.filter(table.column("keep"))
@@ -280,6 +288,7 @@ class Learner:
             self.staleness[self.version - v] += 1
         updated = time.monotonic()
         self.busy_s += updated - started
+        self.busy_cpu_s += time.thread_time() - cpu_started
         self.commit(batch, stepped=applied)
         self.in_step = False
         committed = time.monotonic()
@@ -292,10 +301,13 @@ class Learner:
             tokens_per_s=tokens / max(committed - started, 1e-9),
             update_s=updated - started, commit_s=committed - updated,
             busy_fraction=self.busy_s / max(wall, 1e-9),
+            busy_cpu_fraction=self.busy_cpu_s / max(wall, 1e-9),
+            busy_s=self.busy_s, busy_cpu_s=self.busy_cpu_s,
             stale_dropped=float(self.counts["stale_dropped"]),
-            **self._hop_metrics(),
+            **self._hop_metrics(), read_s=self.read_s, wait_s=self.wait_s,
             skipped_steps=float(self.counts["skipped_steps"]),
         )
+        self.read_s = self.wait_s = 0.0
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % lc.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step

@@ -99,8 +99,10 @@ def main(ctx: StageContext) -> int:
                 table = _table(ctx, engine, items, ids, grouped, seq)
                 key = keys.rollout(engine.version, ctx.worker, seq)
                 if post is not None:
+                    post_started = time.monotonic()
                     with ctx.cores.busy():
                         scored, ready = post.process(table)
+                    ctx.metrics.log(engine.version, {"post_s": time.monotonic() - post_started})
                     prep_state = post.preparer.record(key, ready)
                     flow.wrote(len(items), ready)
                     job = (_write_inline, reserved, post, key, table, scored, ready, prep_state)
@@ -318,4 +320,5 @@ def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: floa
         "version_lag": float(latest - version),
         "samples": float(len(lengths)),
         "busy_fraction": flow.busy_fraction(),
+        "busy_s": flow.busy_s,
     })
