@@ -248,10 +248,13 @@ def test_cli_compiles_demo_with_kubernetes_manifests(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "shardrl-sync.k8s.yaml", "shardrl-sync.yaml", "shardrl.k8s.yaml", "shardrl.yaml"]
     spec, tasks = load_compiled(tmp_path / "shardrl.yaml")
-    # demo: one rollout worker -> a plain task without --worker; the config's registry
-    assert tasks["rollout"].loops == []
-    assert "--worker" not in list(tasks["rollout"].container.command)
+    # demo: two rollout workers -> a ParallelFor of 2, each with its --worker; the config's
+    # registry; score and prepare run inside the workers
+    (workers,) = tasks["rollout"].loops
+    assert workers.iterator_policy.parallelism_limit == 2
+    assert "--worker" in list(tasks["rollout"].container.command)
     assert tasks["rollout"].container.image == "ghcr.io/shardrl/shardrl:1.2.3"
+    assert "score" not in tasks and "prepare" not in tasks
     pipeline, version = yaml.safe_load_all((tmp_path / "shardrl.k8s.yaml").read_text())
     assert (pipeline["kind"], version["kind"]) == ("Pipeline", "PipelineVersion")
     assert version["metadata"]["name"] == "shardrl-v1-2-3"

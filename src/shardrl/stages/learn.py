@@ -182,6 +182,11 @@ class Learner:
                     return n
         return None
 
+    def stale(self) -> list[tuple[str, pa.Table, str]]:
+        """The buffered shards too old for the current version, as a batch of drops."""
+        return [(key, table, "stale") for key, table in self.buffer
+                if self.outcome(key) == "stale"]
+
     def buffered_counts(self) -> dict[str, dict[str, int]]:
         """Prompt groups (all, and kept by filtering) per rollout worker in shards read but
         not yet committed: `buffered.json`, which rollout workers that cannot count kept
@@ -247,6 +252,10 @@ class Learner:
                 self.step(n)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
+            elif stale := self.stale():
+                # dropped now, counted in the ledger: they can never be admitted, and waiting
+                # for a step to carry them would hold their workers' backlog full
+                self.commit(stale, stepped=False)
             elif new:
                 if not self.cfg.inline_postprocess:
                     self.publish_buffered()
@@ -389,7 +398,8 @@ class Learner:
             self.kept_by_worker[sk.worker] += kept_groups(table)
             self.ledger.setdefault(sk.version, []).append(shard_name(key))
             delta.append({"key": key, "outcome": outcome, "rows": rows})
-        self.buffer = self.buffer[len(batch):]
+        committed = {key for key, _, _ in batch}
+        self.buffer = [(key, table) for key, table in self.buffer if key not in committed]
         buffered = None if self.cfg.inline_postprocess else self.buffered_counts()
         self.ledger = {v: names for v, names in self.ledger.items() if v >= self.scanner.low}
         self.commits += 1
@@ -407,7 +417,7 @@ class Learner:
         def write() -> None:
             if weights is not None:
                 publish_weight_bytes(store, keys, version, weights)
-            store.put_json(ledger_key, {"version": version, "shards": delta})
+            store.put_json(ledger_key, {"version": version, "stepped": stepped, "shards": delta})
             if buffered is not None:  # before progress.json: a reader double-counts, never misses
                 store.put_json(keys.state("learn", BUFFERED), buffered)
             if files:
