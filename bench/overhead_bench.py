@@ -55,7 +55,7 @@ SCALES = {
     "demo": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256},
     "large": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024},
 }
-GROUPS, GROUP_SIZE, RESPONSE = 8, 8, 8
+GROUPS, GROUP_SIZE, RESPONSE = 16, 8, 8
 """Prompt groups per shard, samples per group, max_new_tokens (the demo's)."""
 TARGET = 0.90
 WARMUP = 2
@@ -67,7 +67,8 @@ def config_text(scale: str, steps: int, shards: int) -> str:
     source = {"kind": "tiny", **SCALES[scale], "max_position_embeddings": 32}
     return (f"extends: demo\nname: overhead-{scale}\n"
             f"model: {{source: {source}, sft: {{enabled: false}}}}\n"
-            f"rollout: {{max_backlog_steps: {shards}, postprocess: stages, "
+            f"rollout: {{prompts_per_shard: {GROUPS}, max_backlog_steps: {shards}, "
+            f"postprocess: stages, "
             f"poll_interval_s: 0.05}}\n"
             f"learner: {{total_steps: {steps}, max_staleness: 100000}}\n"
             f"eval: {{every: {steps}}}\ntracking: {{enabled: false}}\n").replace("'", "")

@@ -76,11 +76,13 @@ def test_synchronous_run_with_k0(tmp_path, tiny_config):
 
 
 def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
+    # enough steps that the kill lands mid-run: a tiny step takes milliseconds
+    steps = 40
     store = tmp_path / "store"
     env = dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     runner = subprocess.Popen(
         [sys.executable, "-m", "shardrl.cli", "run", str(tiny_config), "--store", str(store),
-         "--run-id", "k1", "--no-progress", "--no-report", "--set", "learner.total_steps=9",
+         "--run-id", "k1", "--no-progress", "--no-report", "--set", f"learner.total_steps={steps}",
          "--set", "tracking.enabled=false"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = store / "runs" / "k1" / "state" / "learn" / "progress.json"
@@ -88,7 +90,7 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
     while time.monotonic() < deadline:
         if progress.exists() and json.loads(progress.read_text())["version"] >= 3:
             break
-        time.sleep(0.2)
+        time.sleep(0.01)
     pids = stage_pids("learn", "k1")
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
@@ -98,10 +100,10 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
     assert runner.returncode == 0, out[-4000:]
     assert "learn exited with -9; restarting" in out
     s = summary(store, "k1")
-    assert s["accounting"]["balanced"] and s["done"]["steps"] == 9
+    assert s["accounting"]["balanced"] and s["done"]["steps"] == steps
     keys = _ledger_keys(store, "k1")
     assert len(keys) == len(set(keys))
     versions = [json.loads(f.read_text())["version"]
                 for f in sorted((store / "runs" / "k1" / "state" / "learn").glob("ledger-*.json"))]
-    assert versions == sorted(versions) and versions[-1] == 9
-    assert sorted(set(versions)) == list(range(versions[0], 10))  # continuous, none skipped
+    assert versions == sorted(versions) and versions[-1] == steps
+    assert sorted(set(versions)) == list(range(versions[0], steps + 1))  # continuous, none skipped

@@ -70,7 +70,7 @@ def test_prepare_matches_the_prepare_stage(tmp_path, overrides):
 
 
 def test_batch_generates_until_the_learner_would_step():
-    cfg = load_config("demo", [])  # batch_prompts 16, prompts_per_shard 8
+    cfg = load_config("demo", ["rollout.prompts_per_shard=8"])  # batch_prompts 16
     trainer = sync_trainer(cfg)
     kept_per_shard = iter([8, 6, 3, 8])
     calls: list[int] = []

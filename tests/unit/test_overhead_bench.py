@@ -72,7 +72,7 @@ def test_shard_prompts_gives_each_group_once_in_order():
 
 def test_ready_shard_has_the_demo_shapes():
     table = conform(ready_shard(3, vocab=32, rng=np.random.default_rng(0)), READY)
-    assert table.num_rows == GROUPS * GROUP_SIZE == 64
+    assert table.num_rows == GROUPS * GROUP_SIZE == 128
     groups = table.column("group_id").to_pylist()
     assert len(set(groups)) == GROUPS and groups[:GROUP_SIZE] == ["g3-0"] * GROUP_SIZE
     prompts = table.column("prompt_token_ids").to_pylist()
