@@ -114,7 +114,9 @@ class KLConfig(Section):
 
 
 class RewardShaping(Section):
-    """reward_total = alpha * clip(normalize(reward_rm)) - beta * kl (KL never normalised)."""
+    """reward_total = alpha * clip(normalize(reward_rm)) - beta * kl (KL never normalised).
+    With GAE the KL is not in reward_total: the learner adds -beta * kl on every response
+    token and the shaped score on the last one."""
 
     normalize: bool = False
     """Running mean/std normalisation of the raw reward."""

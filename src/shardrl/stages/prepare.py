@@ -104,7 +104,9 @@ class Preparer:
                       return_inverse=True)[1].astype(np.int64))
         kl_seq = torch.zeros_like(reward_rm)
         beta = 0.0
-        if algo.kl.placement == "reward":
+        # a sequence-level KL term in the reward; with GAE the learner puts the KL on each
+        # token at its current beta (`update.gae_rewards`), so the total holds the score only
+        if algo.kl.placement == "reward" and algo.advantages.estimator != "gae":
             kl_seq = self._kl_seq(table)
             beta = float(read_progress(self.ctx.store, self.ctx.keys).get(
                 "beta", _init_beta(algo.kl.controller)))

@@ -67,6 +67,28 @@ def truncated_is_weight(learner_old: torch.Tensor, behaviour: torch.Tensor,
         return log_ratio.exp().clamp(max=cap)  # (B, T)
 
 
+def gae_rewards(cfg: RunConfig, table: pa.Table, batch: SeqBatch, behaviour: torch.Tensor,
+                beta: float) -> torch.Tensor:
+    """Per-token rewards for GAE, (B, T).
+
+    The sequence reward is the ready shard's `reward_total` (prepare's shaping: the reward
+    model's score normalised and clipped, times alpha; for GAE prepare leaves the KL out of
+    it), placed on the last response token. With `algo.kl.placement: reward` every response
+    token also gets `-beta * kl(behaviour || ref)` at the current beta, never normalised
+    (the PPO-RLHF reward). behaviour: (B, T) behaviour logprobs, padded like the batch.
+    """
+    mask = batch.response_mask  # (B, T)
+    total = torch.from_numpy(table.column("reward_total").to_numpy().astype(np.float32))  # (B,)
+    rewards = torch.zeros_like(mask, dtype=torch.float32)  # (B, T)
+    if cfg.algo.kl.placement == "reward":
+        ref = batch.pad_response(padded_column(table, "ref_logprobs"))  # (B, T)
+        rewards = -beta * kl_penalty(behaviour, ref, cfg.algo.kl.estimator) * mask
+    if rewards.shape[1] == 0:  # no response token in the batch
+        return rewards
+    last = (batch.response_lengths - 1).clamp_min(0)[:, None]  # (B, 1)
+    return rewards.scatter_add(1, last, total[:, None])
+
+
 def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,
                  beta: float, critic=None,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SeqBatch]:
@@ -94,16 +116,9 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     if algo.advantages.estimator == "gae":
         values = critic.response_values(batch.input_ids, batch.attention_mask,
                                         batch.response_start)[:, : batch.width]  # (B, T)
-        rewards = torch.from_numpy(table.column("reward_total").to_numpy().astype(np.float32))
-        if algo.kl.placement == "reward":  # per-token KL penalty, reward on the last token
-            ref = batch.pad_response(padded_column(table, "ref_logprobs"))
-            token_rewards = -beta * kl_penalty(old, ref, algo.kl.estimator) * mask  # (B, T)
-            last = (batch.response_lengths - 1).clamp_min(0)[:, None]
-            rm_only = torch.from_numpy(table.column("reward_rm").to_numpy().astype(np.float32))
-            rewards = token_rewards.scatter_add(1, last, rm_only[:, None])  # (B, T)
         adv, returns = get_advantage_estimator("gae")(
-            rewards, mask, values=values.detach(), gamma=algo.advantages.gamma,
-            lam=algo.advantages.lam)
+            gae_rewards(cfg, table, batch, old, beta), mask, values=values.detach(),
+            gamma=algo.advantages.gamma, lam=algo.advantages.lam)
         if algo.advantages.whiten:
             adv = masked_whiten(adv, mask)
     else:
