@@ -213,13 +213,17 @@ def test_remedy_keys_follow_the_kl_controller():
     adaptive = load_config("ppo-rlhf")
     (f,) = diagnose(metrics(s), adaptive)
     assert f.remedies[1].keys == ("algo.kl.controller.target",)
-    # ppo-rlhf has a critic: the value-head remedy of symptom C is not marked inapplicable
+    # ppo-rlhf has a critic: symptom C lists the value-head and GAE causes and remedies; a
+    # run without a critic gets only those that apply to it
     s = base()
     s["learn/value_loss"][14] = 8.0
     (c,) = diagnose(metrics(s), adaptive)
-    assert "needs a critic" not in c.remedies[1].action
+    assert [r.keys[0] for r in c.remedies] == ["algo.shaping.clip", "algo.critic.lr",
+                                               "algo.advantages.lam"]
+    assert len(c.causes) == 4
     (c,) = diagnose(metrics(s), RunConfig())
-    assert "needs a critic" in c.remedies[1].action
+    assert [r.keys[0] for r in c.remedies] == ["algo.shaping.clip"]
+    assert not any("value-head" in x or "GAE" in x for x in c.causes)
 
 
 def test_finding_round_trips_and_formats_in_order():

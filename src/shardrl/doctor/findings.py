@@ -96,12 +96,6 @@ def _clip_range(cfg: RunConfig) -> Remedy:
                   ("algo.loss.eps_low", "algo.loss.eps_high"))
 
 
-def _needs_critic(cfg: RunConfig, remedy: Remedy) -> Remedy:
-    if cfg.algo.critic is not None:
-        return remedy
-    return Remedy(remedy.action + " (needs a critic with GAE: this run has none)", remedy.keys)
-
-
 def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Remedy, ...]]:
     """(symptom name, likely causes, remedies in priority order) of symptom `code`."""
     norm_clip = Remedy("turn on / strengthen reward normalisation and clipping (clip before "
@@ -135,19 +129,20 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
             _clip_range(cfg),
         )
     if code == "C":
+        # the value-head and GAE causes and remedies only where the run has a critic
+        critic = cfg.algo.critic is not None
         return "value loss / advantage / gradient spikes", (
             "reward distribution too peaked or with many outliers",
-            "value-head learning rate too large or value clipping unsuitable",
-            "GAE parameters unsuitable (a large lambda raises variance)",
+            *(("value-head learning rate too large or value clipping unsuitable",
+               "GAE parameters unsuitable (a large lambda raises variance)") if critic else ()),
             "grad_norm spikes alone: numerical overflow or an abnormal batch (see inf/nan logs)",
         ), (
             Remedy("clip and normalise the reward to suppress outliers first",
                    ("algo.shaping.clip", "algo.shaping.normalize")),
-            _needs_critic(cfg, Remedy("lower the value-head learning rate or clip the value loss",
-                                      ("algo.critic.lr", "algo.critic.clip_range"))),
-            _needs_critic(cfg, Remedy("lower GAE lambda (e.g. 0.95 -> 0.9) or gamma to cut "
-                                      "long-range variance",
-                                      ("algo.advantages.lam", "algo.advantages.gamma"))),
+            *((Remedy("lower the value-head learning rate or clip the value loss",
+                      ("algo.critic.lr", "algo.critic.clip_range")),
+               Remedy("lower GAE lambda (e.g. 0.95 -> 0.9) or gamma to cut long-range variance",
+                      ("algo.advantages.lam", "algo.advantages.gamma"))) if critic else ()),
         )
     if code == "D":
         return "reward hacking", (
