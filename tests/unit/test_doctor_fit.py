@@ -35,7 +35,7 @@ def test_fit_recovers_known_parameters_from_noisy_points(with_baseline):
     if with_baseline:
         c = np.r_[0.0, c]
     r = sigmoid(c, A, B, C_MID, R0) + rng.normal(0, 0.01, len(c))
-    fit = fit_scaling(c, r, n_boot=40, seed=1)
+    fit = fit_scaling(c, r, n_boot=40, seed=1, skip_fraction=0.0)  # every point counts
     assert isinstance(fit, ScalingFit) and fit.r0_fixed == with_baseline
     assert fit.a == pytest.approx(A, abs=0.03)
     assert fit.b == pytest.approx(B, abs=0.3)
@@ -49,11 +49,33 @@ def test_fit_recovers_known_parameters_from_noisy_points(with_baseline):
 def test_too_few_points_say_not_enough_data():
     c = np.array([0.0, 1e4, 1e5])
     fit = fit_scaling(c, sigmoid(c, A, B, C_MID, R0))
-    assert isinstance(fit, NotEnoughData) and fit.n_points == 3 and fit.needed == 4
-    assert fit.summary().startswith("not enough data")
-    # four points without a C = 0 baseline leave four free parameters: still refused
+    # C = 0 fixes R0 and is not a fitted point; 1e4 is exactly 10% of the compute: it counts
+    assert isinstance(fit, NotEnoughData) and fit.n_points == 2 and fit.needed == 6
+    assert fit.summary() == ("not enough data for the scaling fit: 2 held-out evaluation(s) "
+                             "past the first 10% of compute, at least 6 needed (evaluate more "
+                             "often: eval.every)")
+    # three points without a C = 0 baseline leave four free parameters: still refused
     assert isinstance(fit_scaling(np.array([1e3, 1e4, 1e5]), np.array([0.2, 0.3, 0.5]),
-                                  min_points=3), NotEnoughData)
+                                  min_points=3, skip_fraction=0.0), NotEnoughData)
+
+
+def test_points_of_the_early_phase_are_left_out():
+    # a run evaluated every 5% of its compute: 0, 5%, ..., 100% of 1e6 tokens
+    c = np.linspace(0.0, 1e6, 21)
+    r = sigmoid(c, A, B, 2e5, R0)
+    fit = fit_scaling(c, r, n_boot=0)
+    # C = 0 fixes R0; 5% is early; 10% .. 100% are the 19 fitted points
+    assert isinstance(fit, ScalingFit) and fit.n_points == 19 and fit.r0_fixed
+    assert fit.a == pytest.approx(A, abs=1e-3) and fit.c_mid == pytest.approx(2e5, rel=1e-2)
+    # a wild early point changes nothing: it is not in the fit
+    wild = r.copy()
+    wild[1] = 0.99
+    again = fit_scaling(c, wild, n_boot=0)
+    assert (again.a, again.b, again.c_mid) == pytest.approx((fit.a, fit.b, fit.c_mid), rel=1e-9)
+    # four evaluations (0, 35%, 70%, 100% of the run, as the old demo's) are not enough
+    idx = [0, 7, 14, 20]
+    few = fit_scaling(c[idx], r[idx])
+    assert isinstance(few, NotEnoughData) and few.n_points == 3
 
 
 def test_eval_points_accumulate_learner_tokens():

@@ -168,7 +168,11 @@ class DoctorConfig(Section):
     """A sudden reward drop must lower the mean by this many reward stds (collapse)."""
     noise_z: float = Field(2.0, ge=0.0, le=100.0)
     """A change between two windows counts only beyond this many standard errors of their means."""
-    fit_min_points: int = Field(4, ge=3, le=10000)
-    """Held-out evaluations needed before the compute->pass-rate sigmoid is fitted."""
+    fit_min_points: int = Field(6, ge=3, le=10000)
+    """Held-out evaluations past the early phase needed before the compute->pass-rate
+    sigmoid is fitted."""
+    fit_skip_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Evaluations before this fraction of the run's learner tokens are left out of the fit
+    (the early, transient phase, as ScaleRL does); the one at C = 0 still fixes R0."""
     fit_bootstrap: int = Field(200, ge=0, le=100_000)
     """Bootstrap resamples of the eval points for the fit's uncertainty (0: none)."""

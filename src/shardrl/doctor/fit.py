@@ -72,11 +72,20 @@ class ScalingFit:
 @dataclass(frozen=True)
 class NotEnoughData:
     n_points: int
+    """Held-out evaluations past the early phase (the ones a fit would use)."""
     needed: int
+    skip_fraction: float = 0.0
+    """Evaluations before this fraction of the run's compute do not count."""
+    reason: str = ""
+    """Why there is no fit when it is not the number of points (no fit converged)."""
 
     def summary(self, flops_per_token: float | None = None) -> str:
-        return (f"not enough data for the scaling fit: {self.n_points} held-out evaluation(s), "
-                f"at least {self.needed} needed (evaluate more often: eval.every)")
+        if self.reason:
+            return f"no scaling fit: {self.reason}"
+        early = (f" past the first {self.skip_fraction:.0%} of compute"
+                 if self.skip_fraction > 0 else "")
+        return (f"not enough data for the scaling fit: {self.n_points} held-out evaluation(s)"
+                f"{early}, at least {self.needed} needed (evaluate more often: eval.every)")
 
 
 def _bounds(c: np.ndarray, free_r0: bool) -> tuple[list[float], list[float]]:
@@ -110,23 +119,31 @@ def _fit_once(c: np.ndarray, r: np.ndarray, r0: float | None, starts: list[np.nd
     return best
 
 
-def fit_scaling(compute, pass_rate, min_points: int = 4, n_boot: int = 200,
-                seed: int = 0) -> ScalingFit | NotEnoughData:
-    """Fit the sigmoid to (compute (N,), pass rate (N,)) points; a point at C = 0 fixes R0."""
+def fit_scaling(compute, pass_rate, min_points: int = 6, n_boot: int = 200,
+                seed: int = 0, skip_fraction: float = 0.1) -> ScalingFit | NotEnoughData:
+    """Fit the sigmoid to (compute (N,), pass rate (N,)) points; a point at C = 0 fixes R0.
+
+    As ScaleRL fits only past the early, transient phase, points with
+    0 < C < `skip_fraction` x the largest C are left out; at least `min_points` points (and
+    more distinct C values than free parameters) must remain, else NotEnoughData says so.
+    """
     c, r = np.asarray(compute, dtype=np.float64), np.asarray(pass_rate, dtype=np.float64)
     ok = np.isfinite(c) & np.isfinite(r) & (c >= 0)
     c, r = c[ok], r[ok]
-    pos = c > 0
-    r0 = float(np.mean(r[~pos])) if (~pos).any() else None
+    zero = c == 0
+    r0 = float(np.mean(r[zero])) if zero.any() else None
+    late = c >= skip_fraction * c.max() if len(c) else zero
+    pos = late & ~zero
     n_free = 3 if r0 is not None else 4
-    if len(c) < min_points or len(np.unique(c[pos])) < n_free:
-        return NotEnoughData(len(c), max(min_points, n_free + (r0 is not None)))
+    if pos.sum() < min_points or len(np.unique(c[pos])) < n_free:
+        return NotEnoughData(int(pos.sum()), max(min_points, n_free), skip_fraction)
     cp, rp = c[pos], r[pos]
     starts = [np.array([max(rp.max(), 1e-3), b, math.log(q), r0 if r0 is not None else rp.min()])
               for b in (0.5, 1.0, 2.0) for q in np.quantile(cp, [0.25, 0.5, 0.75])]
     best = _fit_once(cp, rp, r0, starts)
     if best is None:
-        return NotEnoughData(len(c), len(c) + 1)
+        return NotEnoughData(len(cp), min_points, skip_fraction,
+                             reason=f"no least-squares fit converged on {len(cp)} points")
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(n_boot):
@@ -151,7 +168,7 @@ def fit_scaling(compute, pass_rate, min_points: int = 4, n_boot: int = 200,
                                                        upper, strict=False)
                       if min(v - lo, hi - v) <= 1e-6 * (hi - lo))
     return ScalingFit(a=float(a), b=float(b), c_mid=math.exp(lc), r0=fit_r0,
-                      r0_fixed=r0 is not None, n_points=len(c), a_ci=interval(0),
+                      r0_fixed=r0 is not None, n_points=len(cp), a_ci=interval(0),
                       b_ci=interval(1), c_mid_ci=interval(2, math.exp), n_boot=len(boots),
                       residual_std=float(np.std(resid)), at_bounds=at_bounds)
 

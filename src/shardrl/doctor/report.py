@@ -46,7 +46,7 @@ def scaling_fit(handle: RunHandle, m: Metrics) -> FitResult:
     d = handle.cfg.doctor
     params = param_count(handle.store, handle.keys)
     fit = fit_scaling(compute, rate, min_points=d.fit_min_points, n_boot=d.fit_bootstrap,
-                      seed=handle.cfg.seed)
+                      seed=handle.cfg.seed, skip_fraction=d.fit_skip_fraction)
     return FitResult(versions, compute, rate, fit, 6.0 * params if params else None)
 
 
