@@ -105,13 +105,7 @@ _HANDLERS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        module = importlib.import_module(_HANDLERS[args.command])
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("shardrl"):
-            print(f"shardrl {args.command}: not available in this version yet", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(_HANDLERS[args.command])
     return int(module.run(args) or 0)
 
 

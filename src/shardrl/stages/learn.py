@@ -38,7 +38,7 @@ from ..models.io import state_dict_bytes
 from ..store import parse_shard_key
 from ..store.schemas import READY
 from ..store.shards import read_or_quarantine, read_shard
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, save_checkpoint
 from .context import StageContext
 from .inline import kept_groups
 from .policy import fetch_weights, load_policy, point_latest, publish_weight_bytes
@@ -97,7 +97,7 @@ class Learner:
         ckpt = None
         if self.version > 0:  # weights go in before the backend takes the modules over
             self.model.load_state_dict(fetch_weights(store, keys, self.version), strict=False)
-            ckpt = load_checkpoint(store, keys, {})
+            ckpt = latest_checkpoint(store, keys)
             if ckpt is not None and critic is not None:
                 data = store.get_bytes(keys.learner_file(ckpt, f"{CRITIC}.safetensors"))
                 critic.load_state_dict(st_load(data))
@@ -421,7 +421,7 @@ class Learner:
             if buffered is not None:  # before progress.json: a reader double-counts, never misses
                 store.put_json(keys.state("learn", BUFFERED), buffered)
             if files:
-                save_checkpoint(store, keys, version, {}, files, self.cfg.learner.keep_checkpoints)
+                save_checkpoint(store, keys, version, files, self.cfg.learner.keep_checkpoints)
             store.put_json(progress_key(keys), progress)
             if stepped:
                 point_latest(store, keys, version, {"step": version})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -23,14 +22,6 @@ from ..algo import (
 from ..config import RunConfig
 from ..learner_backends.base import PolicyLogprobs
 from .batch import SeqBatch, build_batch, padded_column
-
-
-@dataclass
-class StepResult:
-    applied: bool
-    """False when the loss or a gradient was non-finite and the step was skipped."""
-    metrics: dict[str, float]
-    kl_sum_mean: float
 
 
 def loss_params(cfg: RunConfig) -> dict:
