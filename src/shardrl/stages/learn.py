@@ -43,8 +43,9 @@ from .context import StageContext
 from .inline import kept_groups
 from .policy import fetch_weights, load_policy, point_latest, publish_weight_bytes
 from .progress import progress_key, read_progress
+from .retention import Retention
 from .scan import Scanner, shard_name
-from .staleness import admitted, effective_k, gc_horizon
+from .staleness import admitted, effective_k
 from .update import compute_loss
 
 BACKEND_STATE, CRITIC = "backend", "critic"
@@ -121,6 +122,7 @@ class Learner:
                                lambda v: set(self.ledger.get(v, ())),
                                upstream=None if cfg.inline_postprocess else "prepare")
         self.arrivals = store.watch(keys.kind_prefix("ready"))
+        self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
         self.hops: list[float] = []
         """Hand-off latency since the last step: for each shard read while the learner was
         waiting for data, seconds from its generation to its reading (scoring, prepare and
@@ -425,13 +427,7 @@ class Learner:
             store.put_json(progress_key(keys), progress)
             if stepped:
                 point_latest(store, keys, version, {"step": version})
-                self._collect_garbage(version)
+                self.retention.collect(version)
 
         self._submit(write)
 
-    def _collect_garbage(self, version: int) -> None:
-        """Delete policy versions no admissible shard, evaluation or promotion can need."""
-        old = gc_horizon(version, self.cfg.learner.max_staleness)
-        if old > 0 and old % self.cfg.eval.every != 0:
-            for key in self.ctx.store.list(self.ctx.keys.policy_prefix(old)):
-                self.ctx.store.delete(key)
