@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardrl.algo import aggregate, get_policy_loss, known_policy_losses, policy_loss
-from shardrl.algo.policy_losses import cispo_loss, gspo_loss, ppo_loss
+from shardrl.algo.policy_losses import binary_kl, cispo_loss, dppo_tv_loss, gspo_loss, ppo_loss
 
 D = torch.float64
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
@@ -29,11 +29,12 @@ def _leaf():
 
 
 def test_registry_resolves_every_kind_and_lists_names_on_error():
-    assert known_policy_losses() == ["cispo", "gspo", "ppo"]
+    assert known_policy_losses() == ["cispo", "dppo_kl", "dppo_tv", "gspo", "ppo"]
     assert get_policy_loss("cispo") is cispo_loss
     assert get_policy_loss("ppo") is ppo_loss
     assert get_policy_loss("gspo") is gspo_loss
-    with pytest.raises(KeyError, match="cispo, gspo, ppo"):
+    assert get_policy_loss("dppo_tv") is dppo_tv_loss
+    with pytest.raises(KeyError, match="cispo, dppo_kl, dppo_tv, gspo, ppo"):
         get_policy_loss("grpo")
     with pytest.raises(ValueError, match="known: cispo"):
         policy_loss("dapo", LOGPROBS, OLD, ADV, MASK)
@@ -223,3 +224,49 @@ def test_bool_mask_and_float32_inputs_match_float64():
     loss64, _ = policy_loss("ppo", LOGPROBS, OLD, ADV, MASK)
     assert loss32.dtype == torch.float32
     torch.testing.assert_close(loss32.double(), loss64, rtol=1e-5, atol=1e-5)
+
+
+# DPPO by hand: old token probabilities q, new ones p (rows: A = +1, -2, +1)
+DPPO_Q = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.1], [0.01, 0.5, 0.5]], dtype=D)
+DPPO_P = torch.tensor([[0.7, 0.6, 0.2], [0.3, 0.45, 0.9], [0.1, 0.5, 0.5]], dtype=D)
+DPPO_ADV = torch.tensor([1.0, -2.0, 1.0], dtype=D)
+DPPO_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=D)
+
+
+def _dppo(kind: str, delta: float):
+    lp = DPPO_P.log().requires_grad_()
+    loss, metrics = policy_loss(kind, lp, DPPO_Q.log(), DPPO_ADV, DPPO_MASK,
+                                delta_low=delta, delta_high=delta, max_ratio=4.0)
+    loss.sum().backward()
+    return lp, loss, metrics
+
+
+def test_dppo_tv_masks_tokens_moved_past_the_region_in_the_advantage_direction():
+    lp, loss, metrics = _dppo("dppo_tv", 0.15)
+    # row 0 (A=+1): 0.5->0.7 rose 0.2 > 0.15: masked; 0.5->0.6 rose 0.1: w = 1.2;
+    #   0.5->0.2 fell, against the advantage: kept, w = 0.4
+    # row 1 (A=-2): 0.5->0.3 fell 0.2: masked; 0.5->0.45: w = 0.9; 0.1->0.9 rose, against
+    #   the advantage: kept, w = min(9, 4) = 4
+    # row 2 (A=+1): 0.01->0.1 rose 0.09 < 0.15: kept, w = min(10, 4) = 4
+    grad = torch.tensor([[0.0, -1.2, -0.4], [0.0, 1.8, 8.0], [-4.0, 0.0, 0.0]], dtype=D)
+    torch.testing.assert_close(lp.grad, grad)
+    torch.testing.assert_close(loss, grad * DPPO_P.log())  # -w * A * logprob, 0 where masked
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 7)
+
+
+def test_binary_kl_by_hand():
+    # KL(Bern(0.5) || Bern(0.7)) = 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3)
+    want = 0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3)
+    assert binary_kl(torch.tensor(0.5, dtype=D), torch.tensor(0.7, dtype=D)).item() == \
+        pytest.approx(want, rel=1e-6)
+    assert want == pytest.approx(0.087177, abs=1e-6)
+
+
+def test_dppo_kl_bounds_the_move_of_rare_tokens_that_tv_lets_through():
+    lp, _, metrics = _dppo("dppo_kl", 0.05)
+    # binary KL: 0.5->0.7 and 0.5->0.3: 0.0872 > 0.05, masked; 0.5->0.6: 0.0204 and
+    # 0.5->0.45: 0.0050, kept; 0.01->0.1: 0.01 ln 0.1 + 0.99 ln(0.99/0.9) = 0.0713 > 0.05,
+    # masked, where TV (a rise of 0.09) let it through
+    grad = torch.tensor([[0.0, -1.2, -0.4], [0.0, 1.8, 8.0], [0.0, 0.0, 0.0]], dtype=D)
+    torch.testing.assert_close(lp.grad, grad)
+    assert metrics["clip_frac"].item() == pytest.approx(3 / 7)

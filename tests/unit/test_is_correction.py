@@ -12,7 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shardrl.config import load_config
 from shardrl.learner_backends import PolicyModule
 from shardrl.stages.batch import build_batch
-from shardrl.stages.update import compute_loss, logprob_mismatch, truncated_is_weight
+from shardrl.stages.update import (
+    compute_loss,
+    logprob_mismatch,
+    masked_is_weight,
+    truncated_is_weight,
+)
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 
@@ -34,6 +39,15 @@ def test_truncated_weight_caps_the_ratio():
     w = truncated_is_weight(learner, behaviour, cap=2.0)
     # ratios 3, 0.5, 1 -> min(ratio, 2) = 2, 0.5, 1
     assert w[0].tolist() == pytest.approx([2.0, 0.5, 1.0], rel=1e-6)
+    assert not w.requires_grad
+
+
+def test_icepop_mask_keeps_the_ratio_inside_the_band_and_zeroes_the_rest():
+    learner = torch.tensor([[math.log(3.0), math.log(0.5), 0.0, math.log(0.3)]])
+    behaviour = torch.zeros(1, 4)
+    w = masked_is_weight(learner, behaviour, low=0.5, cap=2.0)
+    # ratios 3, 0.5, 1, 0.3 -> outside [0.5, 2] gives 0, inside keeps the ratio (edges in)
+    assert w[0].tolist() == pytest.approx([0.0, 0.5, 1.0, 0.0], rel=1e-6)
     assert not w.requires_grad
 
 
@@ -95,3 +109,21 @@ def test_correction_off_without_mismatch_changes_nothing():
     on, m_on, _ = compute_loss(_config(True), policy, table, 0, beta=0.0)
     assert m_off["logprob_mismatch_abs"].item() == pytest.approx(0.0, abs=1e-6)
     assert on.item() == pytest.approx(off.item(), rel=1e-5)
+
+
+def test_icepop_mode_drops_the_tokens_the_engines_disagree_on():
+    policy = _policy()
+    # behaviour = learner + ln 1.5 on token 0 (k = 2/3, inside [0.5, 2]) and learner - ln 4
+    # on token 1 (k = 4, outside): token 1 gets no gradient at all
+    table = _table(policy, [math.log(1.5), -LN4])
+    cfg = load_config("demo", [
+        "algo.aggregation=token", "algo.kl.placement=none", "algo.entropy_coef=0.0",
+        "algo.is_correction.enabled=true", "algo.is_correction.mode=mask",
+        "algo.is_correction.low=0.5", "algo.is_correction.cap=2.0"])
+    loss, metrics, batch = compute_loss(cfg, policy, table, 0, beta=0.0)
+    with torch.no_grad():
+        logp = policy(batch.input_ids, batch.attention_mask, batch.response_start).logprobs
+    adv = torch.tensor([[1.0], [-0.5]])
+    expected = (-adv * torch.tensor([[2 / 3, 0.0]]) * logp).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["is_masked_frac"].item() == pytest.approx(0.5)

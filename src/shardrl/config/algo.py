@@ -41,7 +41,34 @@ class GSPOLoss(Section):
     """Upper clip on the sequence ratio."""
 
 
-PolicyLoss = Annotated[CISPOLoss | PPOLoss | GSPOLoss, Field(discriminator="kind")]
+class DPPOTVLoss(Section):
+    """DPPO, binary total-variation trust region (arXiv 2602.04879): CISPO's update on the
+    tokens whose probability has not moved more than delta in the advantage's direction."""
+
+    kind: Literal["dppo_tv"] = "dppo_tv"
+    delta_low: float = Field(0.15, gt=0.0, le=1.0)
+    """Largest fall of a token's probability (advantage < 0) that still gets a gradient."""
+    delta_high: float = Field(0.15, gt=0.0, le=1.0)
+    """Largest rise of a token's probability (advantage > 0) that still gets a gradient."""
+    max_ratio: float = Field(20.0, gt=1.0, le=1e6)
+    """Upper cap on the stop-gradient importance weight."""
+
+
+class DPPOKLLoss(Section):
+    """DPPO, binary KL trust region (arXiv 2602.04879): as dppo_tv with
+    KL(Bernoulli(old prob) || Bernoulli(new prob)) of the sampled token."""
+
+    kind: Literal["dppo_kl"] = "dppo_kl"
+    delta_low: float = Field(0.05, gt=0.0, le=100.0)
+    """Largest binary KL of a falling token (advantage < 0) that still gets a gradient."""
+    delta_high: float = Field(0.05, gt=0.0, le=100.0)
+    """Largest binary KL of a rising token (advantage > 0) that still gets a gradient."""
+    max_ratio: float = Field(20.0, gt=1.0, le=1e6)
+    """Upper cap on the stop-gradient importance weight."""
+
+
+PolicyLoss = Annotated[CISPOLoss | PPOLoss | GSPOLoss | DPPOTVLoss | DPPOKLLoss,
+                       Field(discriminator="kind")]
 
 
 class GroupAdvantages(Section):
@@ -163,11 +190,18 @@ class CriticConfig(Section):
 
 
 class ISCorrection(Section):
-    """Truncated importance sampling between behaviour (generator) and learner logprobs."""
+    """Importance weights between behaviour (generator) and learner logprobs of the same
+    tokens, k = pi_learner_old / pi_behaviour: the engines' mismatch (and policy lag)."""
 
     enabled: bool = False
+    mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: token weight min(k, cap). mask (IcePop, Ring-1T, arXiv 2510.18855): weight k where
+    low <= k <= cap and 0 elsewhere, so tokens the engines disagree on too much give no
+    gradient at all."""
     cap: float = Field(2.0, gt=1.0, le=1000.0)
-    """Token weight min(pi_learner_old / pi_behaviour, cap)."""
+    """Upper bound on k (truncation point, or mask edge)."""
+    low: float = Field(0.5, gt=0.0, lt=1.0)
+    """Lower mask edge (mode mask)."""
 
 
 class AlgoConfig(Section):

@@ -88,6 +88,10 @@ def _kl_strength(cfg: RunConfig, stronger: bool) -> Remedy:
 
 def _clip_range(cfg: RunConfig) -> Remedy:
     loss = cfg.algo.loss
+    if loss.kind in ("dppo_tv", "dppo_kl"):
+        return Remedy(f"widen the trust region moderately (delta now {loss.delta_low:g}/"
+                      f"{loss.delta_high:g}) and watch clip_frac leave ~0",
+                      ("algo.loss.delta_low", "algo.loss.delta_high"))
     if loss.kind == "cispo":
         return Remedy(f"loosen the importance-weight cap (max_ratio now {loss.max_ratio:g}) and "
                       "watch clip_frac leave ~0 for a moderate range", ("algo.loss.max_ratio",))

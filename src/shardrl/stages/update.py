@@ -58,6 +58,24 @@ def truncated_is_weight(learner_old: torch.Tensor, behaviour: torch.Tensor,
         return log_ratio.exp().clamp(max=cap)  # (B, T)
 
 
+def masked_is_weight(learner_old: torch.Tensor, behaviour: torch.Tensor, low: float,
+                     cap: float) -> torch.Tensor:
+    """IcePop's token weights: k = pi_learner_old / pi_behaviour where low <= k <= cap, 0
+    elsewhere; detached. All (B, T)."""
+    with torch.no_grad():
+        log_ratio = (learner_old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k = log_ratio.exp()  # (B, T)
+        return k * ((k >= low) & (k <= cap))
+
+
+def is_weight(cfg: RunConfig, learner_old: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+    """The configured behaviour/learner importance weight (`algo.is_correction`), (B, T)."""
+    c = cfg.algo.is_correction
+    if c.mode == "mask":
+        return masked_is_weight(learner_old, behaviour, c.low, c.cap)
+    return truncated_is_weight(learner_old, behaviour, c.cap)
+
+
 def gae_rewards(cfg: RunConfig, table: pa.Table, batch: SeqBatch, behaviour: torch.Tensor,
                 beta: float) -> torch.Tensor:
     """Per-token rewards for GAE, (B, T).
@@ -90,7 +108,7 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     weights: its detached logprobs are the learner-old logprobs, compared with the behaviour
     logprobs in the mismatch metrics. With `algo.is_correction.enabled` the surrogate's ratio
     is taken against the learner-old logprobs (decoupled proximal policy) and every token's
-    loss is weighted by `truncated_is_weight(learner_old, behaviour, cap)`.
+    loss is weighted by `is_weight` (truncated, or IcePop's mask).
     """
     algo = cfg.algo
     batch = build_batch(table, pad_id)
@@ -118,7 +136,9 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     per_token, pl_metrics = policy_loss(algo.loss.kind, logprobs, ratio_base, adv, mask,
                                         **loss_params(cfg))
     if correction.enabled:
-        per_token = per_token * truncated_is_weight(learner_old, old, correction.cap)
+        weight = is_weight(cfg, learner_old, old)  # (B, T)
+        per_token = per_token * weight
+        metrics["is_masked_frac"] = masked_mean((weight == 0).float(), mask)
     loss = aggregate(per_token, mask, algo.aggregation, groups)
     metrics.update({k: v.detach() for k, v in pl_metrics.items()})
     metrics["policy_loss"] = loss.detach()
