@@ -13,8 +13,9 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
   are sampled in one batched call (the rollout stage samples one shard per call).
 - verify: the score stage's reward (`build_reward`: the configured verifiers).
 - prepare: per shard, as the prepare stage does, `shape_rewards` (with the running reward
-  moments when `algo.shaping.normalize`), the `group` advantage estimator with the config's
-  normalisation over the shard's valid rows, `zero_variance_keep`, non-finite rows dropped,
+  moments when `algo.shaping.normalize`), the `group` advantage estimator with the
+  normalisation prepare applies per shard (`shard_norm`; the batch std is the learner's),
+  `zero_variance_keep`, non-finite rows dropped,
   and No-Positive-Resampling's pass-rate history when it is on.
 - update: exactly when the learner would step, i.e. once the shards since the last step hold
   `learner.batch_prompts` prompt groups kept by filtering (more shards are generated until
@@ -245,6 +246,7 @@ class SyncTrainer:
         import torch
 
         from shardrl.algo import get_advantage_estimator, shape_rewards, zero_variance_keep
+        from shardrl.algo.advantages import shard_norm
 
         algo = self.cfg.algo
         reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
@@ -260,7 +262,7 @@ class SyncTrainer:
                               clip_before_norm=algo.shaping.clip_before_norm)
         ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
         adv = get_advantage_estimator("group")(total, ones, group_ids=group_ids,
-                                               norm=algo.advantages.norm)[0][:, 0]
+                                               norm=shard_norm(algo.advantages.norm))[0][:, 0]
         if algo.filters.zero_variance:
             keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
         else:

@@ -1,6 +1,6 @@
 """The math of ShardRL's recipes as pure torch functions, registered by name.
 
-Policy losses (`cispo`, `ppo`, `gspo`) and aggregations (`token`, `sample`, `prompt`) are
+Policy losses (`cispo`, `ppo`, `gspo`, `dppo_tv`, `dppo_kl`) and aggregations (`token`, `sample`, `prompt`) are
 independent choices; advantages (`group`, `gae`), KL estimators (`k1`, `k2`, `k3`) and
 controllers, reward shaping, value loss, data filters and the LR schedule complete the
 ScaleRL and PPO-RLHF recipes. Callers resolve configured names through the registries.
@@ -8,12 +8,14 @@ ScaleRL and PPO-RLHF recipes. Callers resolve configured names through the regis
 
 from shardrl.algo.advantages import (
     ADVANTAGE_NORMS,
+    batch_normalize,
     gae,
     get_advantage_estimator,
     group_advantages,
     known_advantage_estimators,
     known_advantage_norms,
     register_advantage_estimator,
+    shard_norm,
 )
 from shardrl.algo.aggregation import (
     aggregate,
@@ -77,6 +79,8 @@ __all__ = [
     "get_kl_estimator",
     "get_policy_loss",
     "group_advantages",
+    "batch_normalize",
+    "shard_norm",
     "kl_penalty",
     "kl_stats",
     "known_advantage_estimators",

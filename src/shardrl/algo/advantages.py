@@ -44,6 +44,20 @@ def known_advantage_norms() -> list[str]:
     return list(ADVANTAGE_NORMS)
 
 
+def batch_normalize(a: Tensor, eps: float = 1e-6) -> Tensor:
+    """a / (std(a) + eps) over all of `a` (Bessel-corrected; std 0 for one element). (B,)"""
+    std = a.std() if a.numel() > 1 else torch.zeros((), dtype=a.dtype, device=a.device)
+    # the floor only matters for eps=0 and zero spread, where a is 0: 0, not 0/0
+    return a / (std + eps).clamp_min(torch.finfo(a.dtype).tiny)
+
+
+def shard_norm(norm: str) -> str:
+    """The normalization prepare applies to a shard's group advantages for the configured
+    `norm`: "batch" is ScaleRL's normalization over the learner's batch, which prepare does
+    not know, so prepare only centers ("none") and the learner divides by the batch std."""
+    return "none" if norm == "batch" else norm
+
+
 def group_advantages(rewards: Tensor, group_ids: Tensor, norm: str, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages `a = r - mean_of_group(r)`, optionally normalised.
 
@@ -62,12 +76,10 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, norm: str, eps: float =
     a = r - means[index]  # (B,); exactly 0 for a group of one
     if norm == "none":
         return a
-    if norm == "prompt":
-        variances = group_sum(a.square(), index, num_groups) / (counts - 1.0).clamp_min(1.0)
-        std = variances.sqrt()[index]  # (B,)
-    else:
-        std = a.std() if a.numel() > 1 else torch.zeros((), dtype=a.dtype, device=a.device)
-    # the floor only matters for eps=0 and zero spread, where a is 0: 0, not 0/0
+    if norm == "batch":
+        return batch_normalize(a, eps)
+    variances = group_sum(a.square(), index, num_groups) / (counts - 1.0).clamp_min(1.0)
+    std = variances.sqrt()[index]  # (B,)
     return a / (std + eps).clamp_min(torch.finfo(a.dtype).tiny)
 
 

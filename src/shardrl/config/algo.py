@@ -76,7 +76,8 @@ class GroupAdvantages(Section):
 
     estimator: Literal["group"] = "group"
     norm: Literal["none", "batch", "prompt"] = "batch"
-    """Divide by nothing, the batch std, or the group's std."""
+    """Divide by nothing, by the std over the learner's batch (its rows kept by filtering;
+    ScaleRL's batch-level normalization), or by the group's std."""
 
 
 class GAEAdvantages(Section):

@@ -12,6 +12,7 @@ from ..algo import (
     get_advantage_estimator,
     kl_penalty,
     shape_rewards,
+    shard_norm,
     zero_variance_keep,
 )
 from ..store.schemas import READY, SCORED
@@ -120,7 +121,8 @@ class Preparer:
         if algo.advantages.estimator == "group":
             estimator = get_advantage_estimator("group")
             ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
-            adv = estimator(total, ones, group_ids=group_ids, norm=algo.advantages.norm)[0][:, 0]
+            adv = estimator(total, ones, group_ids=group_ids,
+                            norm=shard_norm(algo.advantages.norm))[0][:, 0]
         else:  # GAE: per-token advantages need the critic, computed by the learner
             adv = torch.zeros_like(total)
         if algo.filters.zero_variance:

@@ -11,6 +11,7 @@ import torch
 from ..algo import (
     LOG_RATIO_CLAMP,
     aggregate,
+    batch_normalize,
     get_advantage_estimator,
     kl_penalty,
     kl_stats,
@@ -132,6 +133,8 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
             adv = masked_whiten(adv, mask)
     else:
         adv = torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32))  # (B,)
+        if algo.advantages.norm == "batch":  # over the batch being trained (prepare centers)
+            adv = batch_normalize(adv)
     ratio_base = learner_old if correction.enabled else old
     per_token, pl_metrics = policy_loss(algo.loss.kind, logprobs, ratio_base, adv, mask,
                                         **loss_params(cfg))
