@@ -43,8 +43,9 @@ def test_report_writes_every_plot_and_logs_them_to_mlflow(tiny_run):
         assert (out / name).stat().st_size > 1000, name
         assert f"src='{name}'" in page, name
     assert set(re.findall(r"src='([^']+)'", page)) == set(PLOTS)
-    # three evaluations (v0, v3, v6) are fewer than the fit needs
-    assert "not enough data for the scaling fit: 3 held-out evaluation(s)" in page
+    # three evaluations (v0, v3, v6): v0 fixes R0, two remain, fewer than the fit needs
+    assert ("not enough data for the scaling fit: 2 held-out evaluation(s) past the first "
+            "10% of compute, at least 6 needed") in page
 
     from mlflow.tracking import MlflowClient
 
@@ -82,8 +83,8 @@ def test_report_fit_only_says_not_enough_data(tiny_run):
     tmp, store, _ = tiny_run
     res = run_cli(["report", RUN, "--store", str(store), "--fit"], tmp)
     assert res.returncode == 0
-    assert res.stdout.startswith("not enough data for the scaling fit: 3 held-out evaluation(s), "
-                                 "at least 4 needed")
+    assert res.stdout.startswith("not enough data for the scaling fit: 2 held-out evaluation(s) "
+                                 "past the first 10% of compute, at least 6 needed")
 
 
 def test_samples_prints_the_requested_rows(tiny_run):

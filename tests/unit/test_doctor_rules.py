@@ -78,6 +78,7 @@ def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
     # thresholds come from cfg.doctor: kl_sum never passes kl_high 100 (1.25**19 = 69)
     assert codes(m, CFG.model_copy(update={"doctor": CFG.doctor.model_copy(
         update={"kl_high": 100.0})})) == []
+
     # a per-token KL above kl_mean_high (1 nat) fires A on its own
     s2 = {**s, "learn/kl_sum": base()["learn/kl_sum"], "learn/kl_mean": 0.1 * 1.25 ** STEP}
     assert codes(metrics(s2)) == ["A"]
@@ -85,6 +86,26 @@ def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
     s["learn/entropy"] = base()["learn/entropy"]
     assert codes(metrics(s)) == []
 
+
+def test_a_kl_blowup_in_on_policy_batches_needs_no_clip_fraction():
+    # one update per batch: a batch of the current policy's samples has ratio 1, clip_frac 0
+    s = base()
+    s["learn/kl_sum"] = 1.25 ** STEP
+    s["learn/clip_frac"] = np.zeros(N)
+    s["learn/entropy"] = 1.0 - 0.04 * STEP
+    s["learn/staleness_max"] = np.zeros(N)
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "A" and f.step == 11
+    assert "on-policy batch" in f.evidence[1].note
+    # the same series from stale batches: clip_frac 0 there means no blow-up of the ratio...
+    s["learn/staleness_max"] = np.ones(N)
+    assert codes(metrics(s)) == []
+    # ...unless the KL is over kl_extreme (10) x its limit: 1.25**i > 100 from i = 21, never
+    # here; with 1.6**i, step 10 (110) is the first past 10 x kl_high 10 (and past 10 itself
+    # at i = 5, but that step is not extreme and has no clip fraction)
+    s["learn/kl_sum"] = 1.6 ** STEP
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "A" and f.step == 10 and "not needed" in f.evidence[1].note
 
 def test_b_kl_near_zero_and_reward_flat():
     s = base()

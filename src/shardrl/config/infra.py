@@ -136,6 +136,10 @@ class DoctorConfig(Section):
     """kl_mean (nats per token) above this is a blow-up candidate, whatever the length."""
     clip_frac_high: float = Field(0.3, gt=0.0, le=1.0)
     """Clip fraction above this is high."""
+    kl_extreme: float = Field(10.0, gt=1.0)
+    """A KL this many times its blow-up limit is a blow-up without a high clip fraction
+    (with one update per batch only stale samples can be clipped, so the clip fraction
+    follows the share of stale samples as much as the size of the step)."""
     kl_low: float = Field(1e-3, ge=0.0)
     """kl_mean below this is 'stuck at zero'."""
     advantage_abs_max: float = Field(100.0, gt=0.0)

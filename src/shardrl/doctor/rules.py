@@ -91,19 +91,25 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
     and above its median before i, with its median over [i, i+w) staying above the limit.
     A blow-up can take a single step, and what follows it varies (a policy gone deterministic,
     or one emitting high-entropy garbage), so the signals are read at the step itself.
+    The learner makes one update per batch, so only stale samples can be clipped: a batch
+    whose samples all come from the current policy (`staleness_max` 0) has clip_frac 0
+    whatever happens, and a KL `kl_extreme` times its limit needs no clip fraction either.
     """
     d, w = cfg.doctor, cfg.doctor.window
     clip, ent = _finite(m, "learn/clip_frac"), _finite(m, "learn/entropy")
     if clip is None or ent is None:
         return None
+    lag = _finite(m, "learn/staleness_max")
     for name, limit in ((KL_MEAN, d.kl_mean_high), (KL_SUM, d.kl_high)):
         kl = _finite(m, name)
         if kl is None:
             continue
-        steps, (k, c, e) = _aligned(kl, clip, ent)
+        steps, (k, c, e, *g) = _aligned(kl, clip, ent, *((lag,) if lag is not None else ()))
+        on_policy = g[0] == 0 if g else np.zeros(len(steps), dtype=bool)
         for i in range(1, len(steps)):
             after_kl = k[i:i + w]
-            if (c[i] > d.clip_frac_high and k[i] > limit and k[i] > np.median(k[:i])
+            clipping = c[i] > d.clip_frac_high or on_policy[i] or k[i] > d.kl_extreme * limit
+            if (clipping and k[i] > limit and k[i] > np.median(k[:i])
                     and np.median(after_kl) > limit
                     and e[i] < (1 - d.entropy_drop) * np.mean(e[:i])):
                 end = min(i + w, len(steps))
@@ -114,7 +120,11 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
                              f"{np.median(k[:i]):.3g})"),
                     evidence(clip.name, steps[:end], c[:end],
                              f"{c[i]:.3g} at step {steps[i]} > clip_frac_high "
-                             f"{d.clip_frac_high:g}"),
+                             f"{d.clip_frac_high:g}" if c[i] > d.clip_frac_high else
+                             f"{c[i]:.3g} at step {steps[i]}: an on-policy batch (ratio 1), "
+                             "so the clip fraction cannot show it" if on_policy[i] else
+                             f"{c[i]:.3g} at step {steps[i]}, not needed: the KL is over "
+                             f"{d.kl_extreme:g}x its limit"),
                     evidence(ent.name, steps[:end], e[:end],
                              f"{e[i]:.3g} at step {steps[i]}, down from a mean of "
                              f"{np.mean(e[:i]):.3g} before"),
