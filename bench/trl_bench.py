@@ -255,7 +255,7 @@ def metric_points(store, keys) -> list[Point]:
 def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
     """Run the pipeline; its curve, RL seconds, sample counts, the figures read from its
     summary and metrics, and the snapshot folder."""
-    from shardrl.stages.policy import MANIFEST, download_folder
+    from shardrl.stages.policy import download_folder
     from shardrl.store import LocalStore, RunKeys
 
     cmd = [sys.executable, "-m", "shardrl.cli", "run", config, "--store", str(WORK),
@@ -269,8 +269,8 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
     curve, eval_samples = [], None
     for key in sorted(k for k in store.list(keys.root + "eval/") if k.endswith(".json")):
         summary = store.get_json(key)
-        published = store.get_json(keys.policy_file(summary["version"], MANIFEST))["time"]
-        curve.append((max(0.0, published - start), summary["pass_at_1"]))
+        # the version's publish time, kept in its summary (its weights may be deleted)
+        curve.append((max(0.0, summary["published"] - start), summary["pass_at_1"]))
         eval_samples = summary["prompts"] * summary["samples_per_prompt"]
     runner = store.get_json(keys.state("runner", "summary.json"))
     cpu_s, rl_wall_s = runner.get("cpu_s"), runner.get("rl_wall_s")

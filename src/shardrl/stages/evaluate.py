@@ -79,6 +79,7 @@ class Schedule:
 def main(ctx: StageContext) -> int:
     from ..tasks.source import make_task
     from .engine import PolicyEngine
+    from .policy import MANIFEST
 
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     task = make_task(cfg)
@@ -92,7 +93,7 @@ def main(ctx: StageContext) -> int:
         latest = ctx.latest_version()
         version = schedule.due(latest)
         if version is not None:
-            if store.exists(keys.policy_file(version, "MANIFEST.json")):
+            if store.exists(keys.policy_file(version, MANIFEST)):
                 evaluate_version(ctx, engine, task, version)
             else:  # published versions that evaluation wants are never collected
                 ctx.log.error("policy v%d is gone from the store: not evaluated", version)
@@ -132,8 +133,14 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     table = pa.table(cols)
     write_shard(ctx.store, ctx.keys.eval_table(version), table, EVAL)
     summary = summarize(table)
+    from .policy import MANIFEST
+
+    # when the version was published: its weights may be deleted once promotion cannot
+    # choose it, this time stays with the evaluation (for curves against the clock)
+    published = ctx.store.get_json(ctx.keys.policy_file(version, MANIFEST))["time"]
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
-                   temperature=cfg.eval.temperature, seconds=time.monotonic() - started)
+                   temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
+                   published=published)
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
     ctx.store.put_json(latest_key(ctx.keys), {"version": version})
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
