@@ -8,11 +8,9 @@ import math
 import pyarrow as pa
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardrl.algo import batch_normalize, group_advantages, shard_norm
 from shardrl.config import load_config
-from shardrl.learner_backends import PolicyModule
 from shardrl.stages.batch import build_batch
 from shardrl.stages.update import compute_loss
 
@@ -34,16 +32,8 @@ def test_prepare_centers_and_the_batch_std_is_the_learners():
                                           3 / std, -3 / std], rel=1e-6)
 
 
-def _policy() -> PolicyModule:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                      pad_token_id=0, tie_word_embeddings=True)
-    return PolicyModule(LlamaForCausalLM(cfg))
-
-
-def test_the_learner_divides_the_batch_by_its_std():
-    policy = _policy()
+def test_the_learner_divides_the_batch_by_its_std(tiny_policy):
+    policy = tiny_policy
     adv = [0.5, -0.5, 3.0, -3.0]
     table = pa.table({"prompt_id": [0, 0, 1, 1], "group_id": [0, 0, 1, 1],
                       "sample_idx": [0, 1, 0, 1], "prompt_token_ids": [[3, 4]] * 4,

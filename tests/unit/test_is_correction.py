@@ -7,7 +7,6 @@ import math
 import pyarrow as pa
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardrl.config import load_config
 from shardrl.learner_backends import PolicyModule
@@ -51,14 +50,6 @@ def test_icepop_mask_keeps_the_ratio_inside_the_band_and_zeroes_the_rest():
     assert not w.requires_grad
 
 
-def _policy() -> PolicyModule:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                      pad_token_id=0, tie_word_embeddings=True)
-    return PolicyModule(LlamaForCausalLM(cfg))
-
-
 def _table(policy: PolicyModule, shift: list[float]) -> pa.Table:
     """Two samples of one group whose behaviour logprobs are the learner's plus `shift[t]`."""
     rows = {"prompt_id": [0, 0], "group_id": [5, 5], "sample_idx": [0, 1],
@@ -82,8 +73,8 @@ def _config(enabled: bool):
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-def test_synthetic_mismatch_is_reported_and_corrected(enabled: bool):
-    policy = _policy()
+def test_synthetic_mismatch_is_reported_and_corrected(enabled: bool, tiny_policy):
+    policy = tiny_policy
     # behaviour = learner + ln 4 on token 0 and learner - ln 4 on token 1 of every sample
     table = _table(policy, [LN4, -LN4])
     loss, metrics, batch = compute_loss(_config(enabled), policy, table, 0, beta=0.0)
@@ -103,8 +94,8 @@ def test_synthetic_mismatch_is_reported_and_corrected(enabled: bool):
     assert all(p.grad is not None for p in policy.parameters())
 
 
-def test_correction_off_without_mismatch_changes_nothing():
-    policy = _policy()
+def test_correction_off_without_mismatch_changes_nothing(tiny_policy):
+    policy = tiny_policy
     table = _table(policy, [0.0, 0.0])
     off, m_off, _ = compute_loss(_config(False), policy, table, 0, beta=0.0)
     on, m_on, _ = compute_loss(_config(True), policy, table, 0, beta=0.0)
@@ -112,8 +103,8 @@ def test_correction_off_without_mismatch_changes_nothing():
     assert on.item() == pytest.approx(off.item(), rel=1e-5)
 
 
-def test_icepop_mode_drops_the_tokens_the_engines_disagree_on():
-    policy = _policy()
+def test_icepop_mode_drops_the_tokens_the_engines_disagree_on(tiny_policy):
+    policy = tiny_policy
     # behaviour = learner + ln 1.5 on token 0 (k = 2/3, inside [0.5, 2]) and learner - ln 4
     # on token 1 (k = 4, outside): token 1 gets no gradient at all
     table = _table(policy, [math.log(1.5), -LN4])

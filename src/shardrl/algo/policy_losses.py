@@ -13,6 +13,7 @@ log clamped to +-LOG_RATIO_CLAMP.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -203,26 +204,53 @@ def gspo_loss(
     return loss, metrics
 
 
-def _dppo(
+def binary_kl(q: Tensor, p: Tensor, eps: float = 1e-8) -> Tensor:
+    """KL(Bernoulli(q) || Bernoulli(p)) elementwise: q log(q/p) + (1-q) log((1-q)/(1-p))."""
+    return (q * (torch.log(q + eps) - torch.log(p + eps))
+            + (1.0 - q) * (torch.log(1.0 - q + eps) - torch.log(1.0 - p + eps)))
+
+
+_TOKEN_DIVERGENCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "tv": lambda p, q: (p - q).abs(),
+    "kl": lambda p, q: binary_kl(q, p),
+}
+"""DPPO's divergences between the old (q) and new (p) distributions over {the sampled
+token, anything else}: total variation |p - q| and KL(Bernoulli(q) || Bernoulli(p))."""
+
+
+def dppo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    outside: Callable[[Tensor, Tensor], Tensor],
+    *,
+    divergence: str,
     delta_low: float,
     delta_high: float,
     max_ratio: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPPO's per-token loss given the divergence test `outside(p, q, delta)`; see `dppo_tv`."""
+    """DPPO ("Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879),
+    registered as `dppo_tv` and `dppo_kl` (`divergence` tv or kl).
+
+    PPO's ratio clip treats a rare token whose probability goes from 1e-5 to 1e-3 (ratio
+    100) as a large step and a drop from 0.99 to 0.80 (ratio 0.8) as a small one. DPPO bounds
+    the divergence between the old and new distributions over {sampled token, anything
+    else} instead (`_TOKEN_DIVERGENCES`), with p = pi(token) and q = pi_old(token). A token
+    whose probability already rose (advantage > 0) or fell (advantage < 0) by a divergence
+    over `delta_high` / `delta_low` gets no gradient; every other token has CISPO's update
+    `-sg(min(ratio, max_ratio)) * A * logprobs`. `clip_frac`: the share of masked tokens.
+    """
+    outside = _TOKEN_DIVERGENCES[divergence]
     m = as_weights(mask, logprobs)  # (B, T)
     adv = _per_token(advantages).expand_as(m)  # (B, T)
     with torch.no_grad():
         log_ratio = (logprobs.detach() - old_logprobs).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = log_ratio.exp()  # (B, T)
         p, q = logprobs.detach().exp(), old_logprobs.exp()  # (B, T) new and old token probs
+        d = outside(p, q)  # (B, T)
         # the probability moved past the region in the direction the advantage pushes it
-        up = (adv > 0) & (p > q) & outside(p, q, delta_high)
-        down = (adv < 0) & (p < q) & outside(p, q, delta_low)
+        up = (adv > 0) & (p > q) & (d > delta_high)
+        down = (adv < 0) & (p < q) & (d > delta_low)
         kept = ~(up | down)
         coef = (ratio.clamp(max=max_ratio) * adv * kept).mul_(m).neg_()  # (B, T)
         n = m.sum().clamp_min(1.0)
@@ -231,50 +259,5 @@ def _dppo(
     return coef * logprobs, metrics
 
 
-@register_policy_loss("dppo_tv")
-def dppo_tv_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    delta_low: float,
-    delta_high: float,
-    max_ratio: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPPO with the binary total-variation trust region ("Rethinking the
-    Trust Region in LLM Reinforcement Learning", arXiv 2602.04879).
-
-    PPO's ratio clip treats a rare token whose probability goes from 1e-5 to 1e-3 (ratio
-    100) as a large step and a drop from 0.99 to 0.80 (ratio 0.8) as a small one. DPPO bounds
-    the divergence between the old and new distributions over {sampled token, anything
-    else} instead, with p = pi(token) and q = pi_old(token); for TV that is |p - q|. A token
-    whose probability already rose more than `delta_high` (advantage > 0) or fell more than
-    `delta_low` (advantage < 0) gets no gradient; every other token has CISPO's update
-    `-sg(min(ratio, max_ratio)) * A * logprobs`. `clip_frac`: the share of masked tokens.
-    """
-    return _dppo(logprobs, old_logprobs, advantages, mask,
-                 lambda p, q, delta: (p - q).abs() > delta, delta_low, delta_high, max_ratio)
-
-
-def binary_kl(q: Tensor, p: Tensor, eps: float = 1e-8) -> Tensor:
-    """KL(Bernoulli(q) || Bernoulli(p)) elementwise: q log(q/p) + (1-q) log((1-q)/(1-p))."""
-    return (q * (torch.log(q + eps) - torch.log(p + eps))
-            + (1.0 - q) * (torch.log(1.0 - q + eps) - torch.log(1.0 - p + eps)))
-
-
-@register_policy_loss("dppo_kl")
-def dppo_kl_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    delta_low: float,
-    delta_high: float,
-    max_ratio: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPPO with the binary KL trust region (arXiv 2602.04879): as `dppo_tv` with the
-    divergence KL(Bernoulli(q) || Bernoulli(p)) of the old and new token probabilities."""
-    return _dppo(logprobs, old_logprobs, advantages, mask,
-                 lambda p, q, delta: binary_kl(q, p) > delta, delta_low, delta_high, max_ratio)
+dppo_tv_loss = register_policy_loss("dppo_tv")(partial(dppo_loss, divergence="tv"))
+dppo_kl_loss = register_policy_loss("dppo_kl")(partial(dppo_loss, divergence="kl"))
