@@ -217,62 +217,29 @@ class SyncTrainer:
 
     def prepare(self, table):
         """The ready shard: the prepare stage's advantages, keep flags and reasons."""
-        import numpy as np
-        import pyarrow as pa
+        from shardrl.stages.prepare import ready_columns
 
-        from shardrl.stages.prepare import invalid_rows
-
-        reasons = invalid_rows(table)
-        valid = np.array([r is None for r in reasons], dtype=bool)  # (B,)
-        total = np.zeros(len(table), np.float32)  # (B,)
-        adv = np.zeros(len(table), np.float32)  # (B,)
-        keep = np.zeros(len(table), bool)  # (B,)
-        if valid.any():
-            sub_total, sub_adv, sub_keep, sub_reasons = self._shape(table.filter(pa.array(valid)))
-            total[valid], adv[valid], keep[valid] = sub_total, sub_adv, sub_keep
-            for i, reason in zip(np.flatnonzero(valid).tolist(), sub_reasons, strict=True):
-                reasons[i] = reason
-        out = table.append_column("reward_total", pa.array(total, pa.float32()))
-        out = out.append_column("advantage", pa.array(adv, pa.float32()))
-        out = out.append_column("keep", pa.array(keep, pa.bool_()))
-        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
+        out = ready_columns(table, self._shape)
         self.tracker.update(out.column("prompt_id").to_pylist(),
                             out.column("correct").to_pylist())
         return out
 
     def _shape(self, table):
-        """(reward_total, advantage, keep, filter_reason) of the rows with finite numbers."""
+        """(reward_total, advantage, keep, filter_reason) of the rows with finite numbers:
+        the prepare stage's `shape_shard` (no KL term here)."""
         import numpy as np
         import torch
 
-        from shardrl.algo import get_advantage_estimator, shape_rewards, zero_variance_keep
-        from shardrl.algo.advantages import shard_norm
+        from shardrl.stages.prepare import shape_shard
 
-        algo = self.cfg.algo
         reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
         group_ids = torch.from_numpy(
             np.unique(table.column("group_id").to_numpy(zero_copy_only=False),
                       return_inverse=True)[1].astype(np.int64))  # (B,)
-        moments = None
-        if algo.shaping.normalize:
+        if self.cfg.algo.shaping.normalize:
             self.moments.update(reward_rm)
-            moments = self.moments
-        total = shape_rewards(reward_rm, torch.zeros_like(reward_rm), moments=moments,
-                              clip=algo.shaping.clip, alpha=algo.shaping.alpha, beta=0.0,
-                              clip_before_norm=algo.shaping.clip_before_norm)
-        ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
-        adv = get_advantage_estimator("group")(total, ones, group_ids=group_ids,
-                                               norm=shard_norm(algo.advantages.norm))[0][:, 0]
-        if algo.filters.zero_variance:
-            keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
-        else:
-            keep = torch.ones_like(reward_rm, dtype=torch.bool)
-        finite = torch.isfinite(total) & torch.isfinite(adv)
-        reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
-                   for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
-        keep = keep & finite
-        return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
-                reasons)
+        return shape_shard(self.cfg.algo, reward_rm, group_ids, self.moments,
+                           torch.zeros_like(reward_rm), 0.0)
 
     # -- one learner step ------------------------------------------------------------------
     def batch(self, clock: PausableClock, events: list[tuple[float, float]]):

@@ -41,6 +41,57 @@ def main(ctx: StageContext) -> int:
     return process_shards(ctx, scanner, SCORED, handle, cfg.prepare.poll_interval_s)
 
 
+def ready_columns(table: pa.Table, shape) -> pa.Table:
+    """`table` with reward_total, advantage, keep and filter_reason: rows whose numbers are
+    not finite are filtered with their reason; `shape` (a table -> `shape_shard`'s tuple)
+    sees only the others."""
+    reasons = invalid_rows(table)
+    valid = np.array([r is None for r in reasons], dtype=bool)  # (B,)
+    total = np.zeros(len(table), np.float32)  # (B,)
+    adv = np.zeros(len(table), np.float32)  # (B,)
+    keep = np.zeros(len(table), bool)  # (B,)
+    if valid.any():
+        sub_total, sub_adv, sub_keep, sub_reasons = shape(table.filter(pa.array(valid)))
+        total[valid], adv[valid], keep[valid] = sub_total, sub_adv, sub_keep
+        for i, reason in zip(np.flatnonzero(valid).tolist(), sub_reasons, strict=True):
+            reasons[i] = reason
+    out = table.append_column("reward_total", pa.array(total, pa.float32()))
+    out = out.append_column("advantage", pa.array(adv, pa.float32()))
+    out = out.append_column("keep", pa.array(keep, pa.bool_()))
+    return out.append_column("filter_reason", pa.array(reasons, pa.string()))
+
+
+def shape_shard(algo, reward_rm: torch.Tensor, group_ids: torch.Tensor, moments: RunningMoments,
+                kl_seq: torch.Tensor, beta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                            list]:
+    """(reward_total, advantage, keep, filter_reason) of one shard's rows with finite numbers.
+
+    reward_rm, group_ids (int64), kl_seq: (B,); `moments` already hold this shard's rewards
+    (used only with `algo.shaping.normalize`). Group advantages get prepare's part of the
+    configured normalization (`shard_norm`); GAE's are left 0 for the learner.
+    """
+    total = shape_rewards(reward_rm, kl_seq,
+                          moments=moments if algo.shaping.normalize else None,
+                          clip=algo.shaping.clip, alpha=algo.shaping.alpha, beta=beta,
+                          clip_before_norm=algo.shaping.clip_before_norm)
+    if algo.advantages.estimator == "group":
+        ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
+        adv = get_advantage_estimator("group")(total, ones, group_ids=group_ids,
+                                               norm=shard_norm(algo.advantages.norm))[0][:, 0]
+    else:  # GAE: per-token advantages need the critic, computed by the learner
+        adv = torch.zeros_like(total)
+    if algo.filters.zero_variance:
+        keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
+    else:
+        keep = torch.ones_like(reward_rm, dtype=torch.bool)
+    finite = torch.isfinite(total) & torch.isfinite(adv)
+    reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
+               for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
+    keep = keep & finite
+    return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
+            reasons)
+
+
 class Preparer:
     """Holds the running reward statistics and pass-rate history; both survive restarts."""
 
@@ -77,21 +128,11 @@ class Preparer:
     def prepare(self, table: pa.Table) -> pa.Table:
         """The ready shard of a scored one. Rows whose reward or logprobs are not finite are
         filtered with their reason and take no part in the statistics or the advantages."""
-        reasons = invalid_rows(table)
-        valid = np.array([r is None for r in reasons], dtype=bool)  # (B,)
-        total = np.zeros(len(table), np.float32)  # (B,)
-        adv = np.zeros(len(table), np.float32)  # (B,)
-        keep = np.zeros(len(table), bool)  # (B,)
-        if valid.any():
-            sub_total, sub_adv, sub_keep, sub_reasons = self._shape(table.filter(pa.array(valid)))
-            total[valid], adv[valid], keep[valid] = sub_total, sub_adv, sub_keep
-            rows = np.flatnonzero(valid)
-            for i, reason in zip(rows.tolist(), sub_reasons, strict=True):
-                reasons[i] = reason
-        out = table.append_column("reward_total", pa.array(total, pa.float32()))
-        out = out.append_column("advantage", pa.array(adv, pa.float32()))
-        out = out.append_column("keep", pa.array(keep, pa.bool_()))
-        out = out.append_column("filter_reason", pa.array(reasons, pa.string()))
+        out = ready_columns(table, self._shape)
+        valid = np.array([r not in INVALID for r in out.column("filter_reason").to_pylist()],
+                         dtype=bool)  # (B,)
+        adv = out.column("advantage").to_numpy()
+        keep = out.column("keep").to_numpy(zero_copy_only=False)
         self._log(out, torch.from_numpy(adv[valid]), torch.from_numpy(keep))
         return out
 
@@ -111,30 +152,9 @@ class Preparer:
             kl_seq = self._kl_seq(table)
             beta = float(read_progress(self.ctx.store, self.ctx.keys).get(
                 "beta", _init_beta(algo.kl.controller)))
-        moments = None
         if algo.shaping.normalize:
             self.moments.update(reward_rm)
-            moments = self.moments
-        total = shape_rewards(reward_rm, kl_seq, moments=moments, clip=algo.shaping.clip,
-                              alpha=algo.shaping.alpha, beta=beta,
-                              clip_before_norm=algo.shaping.clip_before_norm)
-        if algo.advantages.estimator == "group":
-            estimator = get_advantage_estimator("group")
-            ones = torch.ones((len(total), 1))  # one position per sample: (B, 1)
-            adv = estimator(total, ones, group_ids=group_ids,
-                            norm=shard_norm(algo.advantages.norm))[0][:, 0]
-        else:  # GAE: per-token advantages need the critic, computed by the learner
-            adv = torch.zeros_like(total)
-        if algo.filters.zero_variance:
-            keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
-        else:
-            keep = torch.ones_like(reward_rm, dtype=torch.bool)
-        finite = torch.isfinite(total) & torch.isfinite(adv)
-        reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
-                   for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
-        keep = keep & finite
-        return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
-                reasons)
+        return shape_shard(algo, reward_rm, group_ids, self.moments, kl_seq, beta)
 
     def merged(self, name: str, ready: pa.Table, update_moments: bool = False) -> None:
         """Record a written ready shard in the persisted state (and its statistics if recovering)."""
