@@ -213,9 +213,9 @@ def polls(store: Store, run: str, versions: int, cfg: RunConfig) -> dict[str, Ca
     """The timed polls of run `run` (metrics in run `run`-b are bucketed)."""
     rk, rkb = RunKeys(run), RunKeys(f"{run}-b")
     ledger = json.loads(store.get_bytes(rk.state("learn", "progress.json")))["ledger"]
-    learn = Scanner(store, rk, "learn", "ready", WORKERS, lambda v: set(ledger.get(str(v), ())))
-    score = Scanner(store, rk, "score", "rollouts", WORKERS, output_names(store, rk, "scored"))
-    prepare = Scanner(store, rk, "prepare", "scored", WORKERS, output_names(store, rk, "ready"))
+    learn = Scanner(store, rk, cfg, "learn", lambda v: set(ledger.get(str(v), ())))
+    score = Scanner(store, rk, cfg, "score", output_names(store, rk, "scored"))
+    prepare = Scanner(store, rk, cfg, "prepare", output_names(store, rk, "ready"))
     ctx = StageContext(stage="rollout", cfg=cfg, run_id=run, store=store)
     schedule = Schedule(store, rk, EVAL_EVERY, 2 * versions)
     while schedule.due(versions) is not None:  # the fresh run has no record of old evaluations
@@ -324,7 +324,8 @@ def backend(store: Store, scale: float, repeats: int) -> dict:
             populate(store, [(rkb.root + key.split("/", 2)[2], store.get_bytes(key))])
     fill_s = time.perf_counter() - started
     print(f"  {count} objects written in {fill_s:.0f} s ({count / fill_s:.0f}/s)", file=sys.stderr)
-    cfg = RunConfig.model_validate({"tracking": {"enabled": False}})
+    cfg = RunConfig.model_validate({"tracking": {"enabled": False}, "rollout": {
+        "workers": WORKERS, "postprocess": "stages"}})
     result = measure(polls(store, "late", versions, cfg), polls(store, "fresh", versions, cfg),
                      repeats)
     for name, r in result.items():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shardrl import __version__
 from shardrl.config.infra import PipelineConfig
-from shardrl.orchestrate.graph import Image
+from shardrl.graph import Image
 
 
 @dataclass(frozen=True)

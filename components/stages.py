@@ -10,7 +10,7 @@ stage, the replica index.
 from kfp import dsl
 from kfp.dsl.base_component import BaseComponent
 
-from shardrl.orchestrate.graph import entrypoint, stage
+from shardrl.graph import entrypoint, stage
 
 _ARGS_DOC = """
     Args:

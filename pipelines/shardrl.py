@@ -28,7 +28,7 @@ from kfp.dsl.base_component import BaseComponent
 from components import STAGE_IMAGES, image_ref, stage_component
 from shardrl import __version__
 from shardrl.config import RunConfig, load_config
-from shardrl.orchestrate.graph import StageSpec, active
+from shardrl.graph import StageSpec, active
 
 from .cluster import DEFAULT_STORE, STAGE_SECRETS
 

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-STAGE_CHOICES = ("snapshot", "rollout", "score", "prepare", "learn", "evaluate", "promote")
+from .graph import STAGE_NAMES
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(run)
 
     st = sub.add_parser("stage", help="run one stage (what a pod or the local runner executes)")
-    st.add_argument("name", choices=STAGE_CHOICES)
+    st.add_argument("name", choices=STAGE_NAMES)
     st.add_argument("--config", required=True, help="config file, preset name, or inline YAML")
     st.add_argument("--run-id", required=True)
     st.add_argument("--store", help="store URI overriding store.uri")

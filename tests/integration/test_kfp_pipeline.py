@@ -20,7 +20,7 @@ from pipelines.shardrl import compile_pipelines
 from shardrl import __version__
 from shardrl.commands import pipeline_cmd
 from shardrl.config import load_config
-from shardrl.orchestrate.graph import LOOPING, STAGE_NAMES, entrypoint, stage
+from shardrl.graph import LOOPING, STAGE_NAMES, entrypoint, stage
 from shardrl.stages.context import load_stage_config
 
 ROOT = Path(__file__).resolve().parents[2]

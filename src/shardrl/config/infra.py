@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
+from ..graph import LOOPING, STAGE_NAMES, stage
 from .base import Section
 
 
@@ -60,15 +61,7 @@ class Resources(Section):
     """Accelerator resource name."""
 
 
-_STAGE_DEFAULTS = {
-    "snapshot": {"cpu": "2", "memory": "8Gi"}, "rollout": {"cpu": "2", "memory": "8Gi"},
-    "score": {"cpu": "1", "memory": "4Gi"}, "prepare": {"cpu": "1", "memory": "2Gi"},
-    "learn": {"cpu": "2", "memory": "8Gi"}, "evaluate": {"cpu": "1", "memory": "4Gi"},
-    "promote": {"cpu": "1", "memory": "2Gi"},
-}
-
-
-class StageResources(Section):
+class _StageResourcesBase(Section):
     """Resources per stage on the cluster; a partial entry keeps that stage's other defaults."""
 
     @model_validator(mode="before")
@@ -76,16 +69,19 @@ class StageResources(Section):
     def _merge_stage_defaults(cls, data):
         if not isinstance(data, dict):
             return data
-        return {name: {**_STAGE_DEFAULTS[name], **value} if isinstance(value, dict) and name in
-                _STAGE_DEFAULTS else value for name, value in data.items()}
+        return {name: {**_defaults(name), **value} if isinstance(value, dict) and name in
+                STAGE_NAMES else value for name, value in data.items()}
 
-    snapshot: Resources = Resources(**_STAGE_DEFAULTS["snapshot"])
-    rollout: Resources = Resources(**_STAGE_DEFAULTS["rollout"])
-    score: Resources = Resources(**_STAGE_DEFAULTS["score"])
-    prepare: Resources = Resources(**_STAGE_DEFAULTS["prepare"])
-    learn: Resources = Resources(**_STAGE_DEFAULTS["learn"])
-    evaluate: Resources = Resources(**_STAGE_DEFAULTS["evaluate"])
-    promote: Resources = Resources(**_STAGE_DEFAULTS["promote"])
+
+def _defaults(name: str) -> dict[str, str]:
+    spec = stage(name)
+    return {"cpu": spec.cpu, "memory": spec.memory}
+
+
+StageResources = create_model(
+    "StageResources", __base__=_StageResourcesBase,
+    **{name: (Resources, Resources(**_defaults(name))) for name in STAGE_NAMES})
+"""One `Resources` field per stage of the stage graph, with the graph's defaults."""
 
 
 class LocalConfig(Section):
@@ -98,7 +94,7 @@ class LocalConfig(Section):
     share_cores: bool = False
     """Lend idle stages' cores to busy ones: a busy rollout, learner or evaluator runs on
     `cores // busy stages` threads (at least its configured `threads`)."""
-    cores: dict[Literal["rollout", "score", "prepare", "learn", "evaluate"], list[int]] = {}
+    cores: dict[Literal[LOOPING], list[int]] = {}
     """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
     every core. Pinning disables sharing for the pinned stages."""
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
 
 from ..models.heads import Critic
-from ..stages.update import apply_step
 from .base import (
     MOMENTS,
     STEP_KEY,
@@ -79,3 +79,21 @@ class TorchLearnerBackend:
 
     def broadcast_json(self, value: Json) -> Json:
         return value
+
+
+def apply_step(loss: torch.Tensor, params: list[torch.nn.Parameter], optimizers,
+               grad_clip: float | None) -> tuple[bool, float]:
+    """Backward, clip and step; skips (and reports False) on a non-finite loss or gradient."""
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return False, math.nan
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else math.inf)
+    if not torch.isfinite(norm):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        return False, float(norm)
+    for opt in optimizers:
+        opt.step()
+    return True, float(norm)

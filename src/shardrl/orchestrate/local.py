@@ -16,12 +16,12 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError, RunConfig, load_config
+from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import RunKeys, Store, StoreUnavailable, open_store
 from .fork import Forked, fork_stage
-from .graph import active, entrypoint, stage
 from .rss import PeakRss, record
 
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -180,6 +180,16 @@ def prepare_run(args) -> LocalRun:
     return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path)
 
 
+def one_shot(lr: LocalRun, name: str) -> int:
+    """Run a stage that runs once; on failure say where its log is and return the exit code
+    the runner ends with (1, or the store-unavailable status)."""
+    code = lr.run_once(name)
+    if code != 0:
+        print(f"{name} failed (exit {code}): see {lr.log_dir / f'{name}.log'}", file=sys.stderr)
+        return code if code == EXIT_STORE_UNAVAILABLE else 1
+    return 0
+
+
 def run(args) -> int:
     from .monitor import Monitor
 
@@ -205,13 +215,11 @@ def run(args) -> int:
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
     try:
-        if not lr.store.exists(lr.keys.run_json()):
-            monitor.say("snapshot: building the initial policy (SFT to its plateau)")
-            code = lr.run_once("snapshot")
-            if code != 0:
-                print(f"snapshot failed (exit {code}): see {lr.log_dir / 'snapshot.log'}",
-                      file=sys.stderr)
-                return code if code == EXIT_STORE_UNAVAILABLE else 1
+        if not lr.store.exists(lr.keys.run_json()):  # run.json ends the stages before the loop
+            for spec in before_loop(lr.cfg):
+                monitor.say(f"{spec.name}: {spec.description}")
+                if (code := one_shot(lr, spec.name)) != 0:
+                    return code
         for spec in active(lr.cfg):
             if spec.loops:
                 for w in range(spec.replicas(lr.cfg)):
@@ -220,11 +228,9 @@ def run(args) -> int:
         if code != 0:
             return code
         monitor.finish_metrics()
-        code = lr.run_once("promote")
-        if code != 0:
-            print(f"promote failed (exit {code}): see {lr.log_dir / 'promote.log'}",
-                  file=sys.stderr)
-            return code if code == EXIT_STORE_UNAVAILABLE else 1
+        for spec in after_loop(lr.cfg):
+            if (code := one_shot(lr, spec.name)) != 0:
+                return code
         code = monitor.summary()
         print(record(lr.store, lr.keys, lr.rss), flush=True)
         if args.no_report:

@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..graph import LOOPING
 from ..store import RunKeys, Store
 
 PROC = Path("/proc")
@@ -157,12 +158,8 @@ def record(store: Store, keys: RunKeys, rss: PeakRss) -> str:
     return line
 
 
-LOOPING = ("rollout", "score", "prepare", "learn", "evaluate")
-"""Stages that run during the RL phase (their CPU time is the phase's work)."""
-
-
 def machine_share(cpu_s: dict[str, float], wall_s: float, cores: int) -> float:
-    """CPU seconds of the RL phase's stages over cores x the phase's wall clock."""
+    """CPU seconds of the RL phase's (looping) stages over cores x the phase's wall clock."""
     work = sum(v for name, v in cpu_s.items() if name in LOOPING)
     return round(work / max(cores * wall_s, 1e-9), 3)
 

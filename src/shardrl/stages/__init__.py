@@ -16,7 +16,7 @@ def run(args) -> int:
     ctx = build_context(args)
     import torch
 
-    from ..orchestrate.graph import stage
+    from ..graph import stage
 
     floor = int(threads) if threads else stage(args.name).threads(ctx.cfg)
     torch.set_num_threads(floor)

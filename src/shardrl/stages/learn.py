@@ -118,9 +118,7 @@ class Learner:
             ctx.log.info("rank %d of %d%s", self.backend.rank, self.backend.world_size,
                          " (leader)" if self.leader else "")
         # with inline post-processing the rollout workers close versions themselves
-        self.scanner = Scanner(store, keys, "learn", "ready", cfg.rollout.workers,
-                               lambda v: set(self.ledger.get(v, ())),
-                               upstream=None if cfg.inline_postprocess else "prepare")
+        self.scanner = Scanner(store, keys, cfg, "learn", lambda v: set(self.ledger.get(v, ())))
         self.arrivals = store.watch(keys.kind_prefix("ready"))
         self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
         self.hops: list[float] = []

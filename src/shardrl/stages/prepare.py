@@ -29,8 +29,7 @@ RECENT = 1024  # merged shard names remembered for exact recovery after a crash
 def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     prep = Preparer(ctx)
-    scanner = Scanner(store, keys, "prepare", "scored", cfg.rollout.workers,
-                      output_names(store, keys, "ready"))
+    scanner = Scanner(store, keys, cfg, "prepare", output_names(store, keys, "ready"))
     prep.recover(scanner.low, ctx.latest_version() or 0)
 
     def handle(key: str, table: pa.Table) -> None:

@@ -13,12 +13,10 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from ..config import RunConfig
+from ..graph import GENERATOR, consumer, stage, upstream
 from ..store import RunKeys, Store
 from ..store.keys import ShardKind
-
-UPSTREAM = {"score": None, "prepare": "score", "learn": "prepare"}
-"""The stage whose cursor closes versions for each stage (None: the rollout workers). When
-the rollout workers score and prepare inline, the learner's upstream is the workers too."""
 
 
 def shard_name(key: str) -> str:
@@ -41,14 +39,16 @@ def read_cursor(store: Store, keys: RunKeys, stage: str) -> int:
 
 
 class Scanner:
-    """Lists the open versions of `src` and returns the keys `handled` does not cover."""
+    """Lists the open versions of the shard kind stage `name` reads and returns the keys
+    `handled` does not cover. Its upstream (whose cursor closes versions) comes from the
+    stage graph."""
 
-    def __init__(self, store: Store, keys: RunKeys, stage: str, src: ShardKind,
-                 rollout_workers: int, handled: Callable[[int], set[str]],
-                 upstream: str | None = "") -> None:
-        self.store, self.keys, self.stage, self.src = store, keys, stage, src
-        self.rollout_workers = rollout_workers
-        self.upstream = UPSTREAM[stage] if upstream == "" else upstream
+    def __init__(self, store: Store, keys: RunKeys, cfg: RunConfig, name: str,
+                 handled: Callable[[int], set[str]]) -> None:
+        self.store, self.keys, self.stage = store, keys, name
+        self.src: ShardKind = stage(name).reads
+        self.rollout_workers = stage(GENERATOR).replicas(cfg)
+        self.upstream = upstream(name, cfg)
         self.handled = handled
         """version -> shard names already handled by this stage (outputs, ledger)."""
         self.low = read_cursor(store, keys, stage)
@@ -76,10 +76,6 @@ class Scanner:
         return todo
 
 
-CONSUMER = {"scored": "prepare", "ready": "learn"}
-"""The stage that reads (and may quarantine) each derived kind."""
-
-
 def output_names(store: Store, keys: RunKeys, kind: ShardKind) -> Callable[[int], set[str]]:
     """`handled` for a stage whose output for an input is a shard of `kind` with the same name.
 
@@ -88,7 +84,8 @@ def output_names(store: Store, keys: RunKeys, kind: ShardKind) -> Callable[[int]
     """
     def handled(version: int) -> set[str]:
         prefix = keys.version_prefix(kind, version)
-        quarantined = keys.quarantine(CONSUMER[kind], prefix) if kind in CONSUMER else None
+        reader = consumer(kind)
+        quarantined = keys.quarantine(reader.name, prefix) if reader is not None else None
         names = {shard_name(k) for k in store.list(prefix)}
         if quarantined is not None:
             names |= {shard_name(k) for k in store.list(quarantined) if k.endswith(".parquet")}

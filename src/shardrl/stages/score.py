@@ -19,8 +19,7 @@ from .scan import Scanner, output_names, process_shards
 def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     scorer = Scorer(ctx)
-    scanner = Scanner(store, keys, "score", "rollouts", cfg.rollout.workers,
-                      output_names(store, keys, "scored"))
+    scanner = Scanner(store, keys, cfg, "score", output_names(store, keys, "scored"))
 
     def handle(key: str, table: pa.Table) -> None:
         write_shard(store, keys.scored_for(key), scorer.score(table), SCORED)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pyarrow as pa
 import torch
@@ -169,21 +167,3 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
                                     else torch.zeros(()))  # no response token in the batch
     metrics["total_loss"] = loss.detach()
     return loss, metrics, batch
-
-
-def apply_step(loss: torch.Tensor, params: list[torch.nn.Parameter], optimizers,
-               grad_clip: float | None) -> tuple[bool, float]:
-    """Backward, clip and step; skips (and reports False) on a non-finite loss or gradient."""
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
-        return False, math.nan
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else math.inf)
-    if not torch.isfinite(norm):
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        return False, float(norm)
-    for opt in optimizers:
-        opt.step()
-    return True, float(norm)
