@@ -85,7 +85,7 @@ def one(variant: str, cores: int, tag: str) -> dict:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     from shardrl.config import load_config
-    from shardrl.stages.progress import shards_per_step
+    from shardrl.stages.staleness import shards_per_step
 
     cfg = load_config(str(CONFIG), sets)
     per_step = shards_per_step(cfg.learner.batch_prompts, cfg.rollout.prompts_per_shard,

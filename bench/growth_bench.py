@@ -49,12 +49,12 @@ from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader, Reducer
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import StageContext
-from shardrl.stages.evaluate import Schedule, latest_key
-from shardrl.stages.progress import read_progress
+from shardrl.stages.evaluate import Schedule
 from shardrl.stages.rollout import backlog
 from shardrl.stages.scan import Scanner, output_names
 from shardrl.store import LocalStore, RunKeys, Store, read_or_quarantine
 from shardrl.store.keys import metrics_writer
+from shardrl.store.records import Progress
 from shardrl.store.schemas import METRICS, READY
 from shardrl.store.shards import encode_shard
 
@@ -151,7 +151,7 @@ def run_objects(rk: RunKeys, versions: int, history: bool) -> Objects:
     ledger = {str(v): names if v < v_new else names[:-6] for v in range(low, v_new + 1)}
     state = {
         rk.latest_policy(): {"version": v_new},
-        latest_key(rk): {"version": v_new},
+        rk.eval_latest(): {"version": v_new},
         rk.state("learn", "progress.json"): {
             "version": v_new, "commits": v_new, "ledger": ledger, "beta": 0.0, "kl": {"beta": 0.0},
             "counts": {"consumed": 64 * SHARDS_PER_VERSION * v_new, "filtered": 0},
@@ -234,7 +234,7 @@ def polls(store: Store, run: str, versions: int, cfg: RunConfig) -> dict[str, Ca
         "score_poll": lambda: score.poll(versions),
         "prepare_poll": lambda: prepare.poll(versions),
         "rollout_checks": lambda: (ctx.done(), ctx.latest_version(),
-                                   backlog(read_progress(store, rk), 1, 5 * versions + 2, None)),
+                                   backlog(Progress.read(store, rk.progress()), 1, 5 * versions + 2, None)),
         "evaluate_poll": evaluate,
     }
     for suffix, keys in (("flat", rk), ("bucketed", rkb)):
@@ -319,7 +319,7 @@ def backend(store: Store, scale: float, repeats: int) -> dict:
         count += populate(store, chunk_objects(RunKeys(run), steps, evals, history, False))
         rkb = RunKeys(f"{run}-b")
         count += populate(store, chunk_objects(rkb, steps, evals, history, True))
-        for key in (RunKeys(run).state("learn", "progress.json"), latest_key(RunKeys(run)),
+        for key in (RunKeys(run).progress(), RunKeys(run).eval_latest(),
                     RunKeys(run).eval_summary(versions)):
             populate(store, [(rkb.root + key.split("/", 2)[2], store.get_bytes(key))])
     fill_s = time.perf_counter() - started

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from bench.results import merge_results
 from shardrl.config import load_config
-from shardrl.stages.progress import shards_per_step
+from shardrl.stages.staleness import shards_per_step
 from shardrl.store import LocalStore, RunKeys
 from shardrl.store.schemas import READY, ROLLOUT
 from shardrl.store.shards import read_shard, write_shard

@@ -11,10 +11,11 @@ import pytest
 from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader, ChunkTail
 from shardrl.orchestrate.monitor import Monitor
-from shardrl.stages.evaluate import Schedule, latest_key, next_wanted
+from shardrl.stages.evaluate import Schedule, next_wanted
 from shardrl.stages.rollout import backlog
 from shardrl.store import LocalStore, RunKeys, write_shard
 from shardrl.store.keys import METRICS_BUCKET_US, metrics_writer
+from shardrl.store.records import Buffered, Progress
 from shardrl.store.schemas import METRICS
 
 KEYS = RunKeys("r1")
@@ -158,7 +159,7 @@ def test_the_tick_reads_the_newest_evaluation_once(tmp_path):
     m = monitor(store)
     assert m._last_eval() is None
     store.put_json(KEYS.eval_summary(10), {"pass_at_1": 0.5})
-    store.put_json(latest_key(KEYS), {"version": 10})
+    store.put_json(KEYS.eval_latest(), {"version": 10})
     assert m._last_eval() == (10, {"pass_at_1": 0.5})
     store.put_json(KEYS.eval_summary(10), {"pass_at_1": 0.0})  # not read again
     assert m._last_eval() == (10, {"pass_at_1": 0.5}) and store.listings == 0
@@ -184,7 +185,8 @@ def test_the_schedule_owes_the_lowest_unevaluated_version_without_listing(tmp_pa
 
 
 def test_backlog_counts_kept_groups_the_learner_has_not_committed():
-    progress = {"groups_by_worker": {"1": 40}, "kept_groups_by_worker": {"1": 10}}
+    progress = Progress.model_validate({"groups_by_worker": {"1": 40},
+                                        "kept_groups_by_worker": {"1": 10}})
     # worker 1 wrote 16 kept groups (exact, inline post-processing): 16 - 10 committed
     assert backlog(progress, 1, 64, 16) == 6
     assert backlog(progress, 1, 64, 5) == 0  # never negative
@@ -192,10 +194,10 @@ def test_backlog_counts_kept_groups_the_learner_has_not_committed():
     # the 24 on their way count at the rate seen so far, 1/4
     assert backlog(progress, 1, 64, None) == 24 * 0.25
     # 8 more read by the learner, 6 of them kept: 6 + 16 on their way at 16/48
-    buffered = {"groups_by_worker": {"1": 8}, "kept_groups_by_worker": {"1": 6}}
+    buffered = Buffered(groups_by_worker={1: 8}, kept_groups_by_worker={1: 6})
     assert backlog(progress, 1, 64, None, buffered) == 6 + 16 * (16 / 48)
     assert backlog(progress, 0, 3, None) == 3  # nothing of worker 0 seen yet: rate 1
     # the learner holds all of worker 0's groups, none kept: nothing waits (no deadlock
     # while the learner gathers enough kept groups)
-    assert backlog({}, 0, 12, None, {"groups_by_worker": {"0": 12},
-                                     "kept_groups_by_worker": {"0": 0}}) == 0
+    assert backlog(Progress(), 0, 12, None, Buffered(groups_by_worker={0: 12},
+                                                     kept_groups_by_worker={0: 0})) == 0

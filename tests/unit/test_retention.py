@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from shardrl.config import load_config
-from shardrl.stages.evaluate import latest_key
 from shardrl.stages.retention import Retention, outranked
 from shardrl.store import LocalStore, RunKeys
 
@@ -27,7 +26,7 @@ def present(store: LocalStore, keys: RunKeys) -> list[int]:
 def evaluated(store: LocalStore, keys: RunKeys, results: dict[int, float]) -> None:
     for v, p in results.items():
         store.put_json(keys.eval_summary(v), {"pass_at_1": p})
-    store.put_json(latest_key(keys), {"version": max(results)})
+    store.put_json(keys.eval_latest(), {"version": max(results)})
 
 
 @pytest.mark.parametrize("how", ["best", "last"])

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from ..store import LocalStore, RunKeys, Store
+from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
 from .fit import NotEnoughData, ScalingFit, eval_points, fit_scaling, param_count
 from .rules import diagnose, unassessed
@@ -52,10 +53,8 @@ def scaling_fit(handle: RunHandle, m: Metrics) -> FitResult:
 
 def staleness_histogram(store: Store, keys: RunKeys) -> dict[int, int]:
     """Admitted samples by version lag, from DONE.json or else the learner's progress."""
-    for key in (keys.done(), keys.state("learn", "progress.json")):
-        if store.exists(key):
-            return {int(k): int(v) for k, v in store.get_json(key).get("staleness", {}).items()}
-    return {}
+    done = Done.read(store, keys.done(), optional=True)
+    return done.staleness if done is not None else Progress.read(store, keys.progress()).staleness
 
 
 def group_pass_rates(store: Store, keys: RunKeys, max_shards: int = MAX_SHARDS

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 
 from ..store import RunKeys, Store
 from ..store.keys import parse_shard_key
+from ..store.records import LedgerDelta, Progress
 
 
 @dataclass
@@ -47,32 +48,32 @@ def _rows(store: Store, key: str) -> int | None:
 
 def account(store: Store, keys: RunKeys) -> Accounting:
     acc = Accounting()
-    rollouts = {k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: k
+    rollouts = {parse_shard_key(k).name: k
                 for k in store.list(keys.kind_prefix("rollouts")) if k.endswith(".parquet")}
     rows = {name: _rows(store, key) or 0 for name, key in rollouts.items()}
     # the ledger: every shard the learner committed, exactly once
     seen: set[str] = set()
-    for key in store.list(keys.root + "state/learn/ledger-"):
-        for entry in store.get_json(key)["shards"]:
-            sk = parse_shard_key(entry["key"])
-            name = f"v{sk.version:06d}/w{sk.worker:02d}-{sk.seq:06d}.parquet"
+    for key in store.list(keys.ledger_prefix()):
+        for entry in LedgerDelta.read(store, key).shards:
+            name = parse_shard_key(entry.key).name
             if name in seen:
                 acc.duplicate_shards.append(name)
             seen.add(name)
-            if entry["outcome"] == "stale":
-                acc.stale_dropped += entry["rows"]
-    progress_key = keys.state("learn", "progress.json")
-    counts = store.get_json(progress_key).get("counts", {}) if store.exists(progress_key) else {}
+            if entry.outcome == "stale":
+                acc.stale_dropped += entry.rows
+    counts = Progress.read(store, keys.progress()).counts
     acc.consumed = int(counts.get("consumed", 0))
     acc.filtered = int(counts.get("filtered", 0))
     # quarantine: a rollout shard moved away (score), or a derived shard (prepare, learn)
     quarantined: set[str] = set()
-    for key in store.list(keys.root + "quarantine/"):
-        if not key.endswith(".parquet"):
+    for key in store.list(keys.quarantine_prefix()):
+        try:
+            shard = parse_shard_key(keys.unquarantined(key)[1])
+        except ValueError:  # not a shard (an error note, a prompt record)
             continue
-        name = "/".join(key.rsplit("/", 2)[-2:])
+        name = shard.name
         quarantined.add(name)
-        if "/rollouts/" in key:
+        if shard.kind == "rollouts":
             n = _rows(store, key)
             acc.unreadable_quarantined_shards += n is None
             acc.generated += n or 0

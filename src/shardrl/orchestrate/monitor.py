@@ -14,7 +14,8 @@ import time
 import pyarrow.parquet as pq
 
 from ..doctor.series import ChunkTail
-from ..stages.evaluate import latest_evaluated
+from ..stages.evaluate import latest_evaluated, summaries
+from ..store.records import Done, Progress
 from ..tracking.mlflow_run import client, find_or_create_run, log_points, tracking_uri
 from .accounting import account
 
@@ -53,15 +54,14 @@ class Monitor:
             return
         self.last_tick = now
         store, keys = self.lr.store, self.lr.keys
-        pkey = keys.state("learn", "progress.json")
-        progress = store.get_json(pkey) if store.exists(pkey) else {}
-        step = int(progress.get("version", 0))
+        progress = Progress.read(store, keys.progress())
+        step = progress.version
         last_eval = self._last_eval()
-        stale = progress.get("staleness", {})
+        stale = progress.staleness
         line = (f"step {step}/{self.total}"
                 + (f"  pass@1 v{last_eval[0]} {last_eval[1]['pass_at_1']:.3f}" if last_eval else "")
-                + f"  consumed {progress.get('counts', {}).get('consumed', 0)}"
-                + (f"  staleness max {max(int(k) for k in stale)}" if stale else ""))
+                + f"  consumed {progress.counts.get('consumed', 0)}"
+                + (f"  staleness max {max(stale)}" if stale else ""))
         if self.bar:
             self.bar.n = step
             self.bar.set_postfix_str(line.split("  ", 1)[-1])
@@ -81,9 +81,7 @@ class Monitor:
 
     def _evals(self) -> dict[int, dict]:
         """Every evaluation summary by version (lists `eval/`: for the closing summary)."""
-        store, keys = self.lr.store, self.lr.keys
-        return {int(k.rsplit("/v", 1)[1][:6]): store.get_json(k)
-                for k in store.list(keys.root + "eval/") if k.endswith(".json")}
+        return summaries(self.lr.store, self.lr.keys)
 
     def _forward(self) -> None:
         """Copy new metric chunks from the store to MLflow (the only SQLite writer)."""
@@ -116,19 +114,19 @@ class Monitor:
         self._forward()
         evals = self._evals()
         acc = account(store, keys)
-        done = store.get_json(keys.done()) if store.exists(keys.done()) else {}
+        done = Done.read(store, keys.done())
         promo_key = keys.state("promote", "result.json")
         promo = store.get_json(promo_key) if store.exists(promo_key) else {}
         first, last = (evals.get(0), evals[max(evals)]) if evals else (None, None)
         print("\n== ShardRL run summary ==")
         print(f"run id            {lr.run_id}")
-        print(f"learner steps     {done.get('steps', '?')}")
+        print(f"learner steps     {done.steps}")
         if first and last:
             print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f} -> final "
                   f"(v{max(evals)}) {last['pass_at_1']:.3f}  ({first['prompts']} prompts, "
                   f"T={first['temperature']})")
         print(f"samples           {acc.line()}")
-        print(f"staleness         {done.get('staleness', {})} (version lag: admitted samples)")
+        print(f"staleness         {done.staleness} (version lag: admitted samples)")
         if promo:
             print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
                   f"(policy v{promo['version']}, {promo['metric']} {promo['value']:.3f}"
@@ -144,10 +142,10 @@ class Monitor:
                 summary["summary/pass_at_1_baseline"] = first["pass_at_1"]
                 summary["summary/pass_at_1_final"] = last["pass_at_1"]
             log_points(self.client, self.mlflow,
-                       [(k, int(done.get("steps", 0)), v, time.time()) for k, v in summary.items()])
+                       [(k, done.steps, v, time.time()) for k, v in summary.items()])
             self.client.set_terminated(self.mlflow)
         store.put_json(keys.state("runner", "summary.json"), {
             "accounting": acc.as_dict(), "evals": {str(k): v for k, v in evals.items()},
-            "promote": promo, "done": done})
+            "promote": promo, "done": done.model_dump(mode="json")})
         return 0 if acc.balanced else 3
 

@@ -4,6 +4,7 @@ under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pic
 from __future__ import annotations
 
 from ..store import RunKeys, Store
+from ..store.records import CheckpointPointer
 
 
 def save_checkpoint(store: Store, keys: RunKeys, step: int, files: dict[str, bytes],
@@ -12,15 +13,14 @@ def save_checkpoint(store: Store, keys: RunKeys, step: int, files: dict[str, byt
     LATEST to it and delete all but the newest `keep` checkpoints."""
     for name, data in files.items():
         store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), data)
-    store.put_json(keys.latest_learner(), {"step": step})
+    CheckpointPointer(step=step).write(store, keys.latest_learner())
     _prune(store, keys, step, keep)
 
 
 def latest_checkpoint(store: Store, keys: RunKeys) -> int | None:
     """The step of the newest complete checkpoint, or None if there is none."""
-    if not store.exists(keys.latest_learner()):
-        return None
-    return int(store.get_json(keys.latest_learner())["step"])
+    pointer = CheckpointPointer.read(store, keys.latest_learner(), optional=True)
+    return pointer.step if pointer is not None else None
 
 
 def _prune(store: Store, keys: RunKeys, step: int, keep: int) -> None:

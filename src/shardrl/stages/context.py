@@ -17,6 +17,7 @@ from ..config import RunConfig, load_config, validate
 from ..config.loader import apply_override, resolve_mapping
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
+from ..store.records import PolicyPointer
 from ..store.schemas import METRICS
 from .cores import CoreShare
 
@@ -113,10 +114,8 @@ class StageContext:
 
     def latest_version(self) -> int | None:
         """The newest published policy version, or None before the snapshot finished."""
-        key = self.keys.latest_policy()
-        if not self.store.exists(key):
-            return None
-        return int(self.store.get_json(key)["version"])
+        pointer = PolicyPointer.read(self.store, self.keys.latest_policy(), optional=True)
+        return pointer.version if pointer is not None else None
 
     def cache_dir(self) -> Path:
         """Per-run local cache for downloaded model files."""

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..store import RunKeys, Store
+from ..store.keys import parse_eval_summary_key
+from ..store.records import EvalPointer
 from ..store.schemas import EVAL
 from ..store.shards import write_shard
 from .context import StageContext
@@ -38,15 +40,16 @@ def next_wanted(version: int, every: int, total: int) -> int | None:
     return min((version // every + 1) * every, total)
 
 
-def latest_key(keys: RunKeys) -> str:
-    """`state/evaluate/latest.json`: {"version": the newest evaluated version}."""
-    return keys.state("evaluate", "latest.json")
-
-
 def latest_evaluated(store: Store, keys: RunKeys) -> int | None:
     """The newest evaluated version, None before the first evaluation."""
-    key = latest_key(keys)
-    return int(store.get_json(key)["version"]) if store.exists(key) else None
+    pointer = EvalPointer.read(store, keys.eval_latest(), optional=True)
+    return pointer.version if pointer is not None else None
+
+
+def summaries(store: Store, keys: RunKeys) -> dict[int, dict]:
+    """{version: evaluation summary} of every evaluated version (lists `eval/`)."""
+    return {parse_eval_summary_key(k): store.get_json(k)
+            for k in store.list(keys.root + "eval/") if k.endswith(".json")}
 
 
 class Schedule:
@@ -142,7 +145,7 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
                    published=published)
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
-    ctx.store.put_json(latest_key(ctx.keys), {"version": version})
+    EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
                               if isinstance(v, float) and k not in ("seconds", "temperature")})
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],

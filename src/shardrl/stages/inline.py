@@ -19,11 +19,12 @@ import dataclasses
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..store.keys import shard_name
 from ..store.schemas import READY, ROLLOUT, SCORED
 from ..store.shards import read_or_quarantine, write_shard
 from .context import MetricsSink, StageContext
 from .prepare import STATE, Preparer
-from .scan import read_cursor, shard_name
+from .scan import read_cursor
 from .score import Scorer
 
 

@@ -21,6 +21,7 @@ from ..models.io import (
     load_tokenizer,
 )
 from ..store import RunKeys, Store
+from ..store.records import PolicyPointer
 
 MANIFEST = "MANIFEST.json"
 WEIGHTS = "model.safetensors"
@@ -67,8 +68,9 @@ def publish_weight_bytes(store: Store, keys: RunKeys, version: int, data: bytes)
                    {"files": {WEIGHTS: _sha(data)}, "base": 0, "time": time.time()})
 
 
-def point_latest(store: Store, keys: RunKeys, version: int, extra: dict | None = None) -> None:
-    store.put_json(keys.latest_policy(), {"version": version, "time": time.time(), **(extra or {})})
+def point_latest(store: Store, keys: RunKeys, version: int, step: int | None = None) -> None:
+    """Move `policy/LATEST.json` to `version` (published by learner `step`, if any)."""
+    PolicyPointer(version=version, time=time.time(), step=step).write(store, keys.latest_policy())
 
 
 def fetch_weights(store: Store, keys: RunKeys, version: int) -> dict[str, torch.Tensor]:

@@ -15,12 +15,13 @@ from ..algo import (
     shard_norm,
     zero_variance_keep,
 )
+from ..store.keys import shard_name
+from ..store.records import Progress, Retired
 from ..store.schemas import READY, SCORED
 from ..store.shards import read_shard, write_shard
 from .batch import padded_column
 from .context import StageContext
-from .progress import read_progress
-from .scan import Scanner, output_names, process_shards, shard_name
+from .scan import Scanner, output_names, process_shards
 
 STATE = "state.json"
 RECENT = 1024  # merged shard names remembered for exact recovery after a crash
@@ -149,8 +150,8 @@ class Preparer:
         # token at its current beta (`update.gae_rewards`), so the total holds the score only
         if algo.kl.placement == "reward" and algo.advantages.estimator != "gae":
             kl_seq = self._kl_seq(table)
-            beta = float(read_progress(self.ctx.store, self.ctx.keys).get(
-                "beta", _init_beta(algo.kl.controller)))
+            beta = Progress.read(self.ctx.store, self.ctx.keys.progress()).beta
+            beta = _init_beta(algo.kl.controller) if beta is None else beta
         if algo.shaping.normalize:
             self.moments.update(reward_rm)
         return shape_shard(algo, reward_rm, group_ids, self.moments, kl_seq, beta)
@@ -180,8 +181,7 @@ class Preparer:
         retired = state.pop("retired", None)
         self.ctx.store.put_json(self.state_key, state)
         if retired is not None:
-            self.ctx.store.put_json(self.ctx.keys.state("prepare", "retired.json"),
-                                    {"prompt_ids": retired})
+            Retired(prompt_ids=retired).write(self.ctx.store, self.ctx.keys.retired())
 
     def _kl_seq(self, table: pa.Table) -> torch.Tensor:
         behaviour = torch.from_numpy(padded_column(table, "behavior_logprobs"))

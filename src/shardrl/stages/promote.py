@@ -9,13 +9,8 @@ from safetensors.torch import save_file
 
 from ..tracking.mlflow_run import client, find_or_create_run
 from .context import StageContext
+from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
-
-
-def evaluated(ctx: StageContext) -> dict[int, dict]:
-    """{version: eval summary} of every evaluated version."""
-    keys = ctx.store.list(ctx.keys.root + "eval/")
-    return {int(k.rsplit("/v", 1)[1][:6]): ctx.store.get_json(k) for k in keys if k.endswith(".json")}
 
 
 def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
@@ -27,7 +22,7 @@ def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
 
 def main(ctx: StageContext) -> int:
     cfg = ctx.cfg
-    summaries = evaluated(ctx)
+    summaries = evaluated(ctx.store, ctx.keys)
     if not summaries:
         ctx.log.error("no evaluated version to promote: did the evaluate stage run?")
         return 1

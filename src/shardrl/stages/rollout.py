@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow as pa
 
 from ..store import Store
+from ..store.records import Buffered, Progress, Retired, WorkerState
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
 from .context import StageContext
 from .engine import PolicyEngine
-from .progress import read_progress
 from .staleness import (
     backlog_cap,
     batch_shards,
@@ -32,14 +32,14 @@ def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     rc = cfg.rollout
     task = make_task(cfg)
-    state_key = keys.state("rollout", f"w{ctx.worker:02d}.json")
-    state = store.get_json(state_key) if store.exists(state_key) else {"next_seq": 0}
+    state_key = keys.worker_state(ctx.worker)
+    state = WorkerState.read(store, state_key)
     post = None
     if cfg.inline_postprocess:
         from .inline import InlinePostprocess
 
         post = InlinePostprocess(ctx)
-        post.recover(int(state.get("version", 0)), ctx.latest_version() or 0)
+        post.recover(state.version, ctx.latest_version() or 0)
     flow = Flow(ctx, state, exact=post is not None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     written, paused, skipped = 0, False, 0
@@ -51,7 +51,7 @@ def main(ctx: StageContext) -> int:
         while not ctx.done():
             if ctx.once and flow.round_done(written):
                 break
-            progress = read_progress(store, keys)
+            progress = Progress.read(store, keys.progress())
             if not ctx.once and flow.full(progress):
                 if not paused:
                     ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
@@ -59,16 +59,16 @@ def main(ctx: StageContext) -> int:
                 flow.pause(rc.poll_interval_s)
                 continue
             if paused:  # woken by the learner's commit: how long after its capture
-                ctx.metrics.log(int(progress.get("version", 0)),
-                                {"resume_lag_s": time.time() - progress.get("time", time.time())})
+                ctx.metrics.log(progress.version,
+                                {"resume_lag_s": time.time() - (progress.time or time.time())})
             paused = False
             # progress.json is written after the weights it names and just before LATEST.json
-            engine.ensure(max(ctx.latest_version() or 0, int(progress.get("version", 0))))
+            engine.ensure(max(ctx.latest_version() or 0, progress.version))
             # several shards in one generation batch when the backlog has room for them
-            first, n = state["next_seq"], flow.batch(progress)
+            first, n = state.next_seq, flow.batch(progress)
             # reserve the sequence numbers first: a crash leaves gaps, never two shards with one name
-            state = {"next_seq": first + n, "version": engine.version, **flow.state()}
-            reserved = writer.submit(store.put_json, state_key, state)
+            state = WorkerState(next_seq=first + n, version=engine.version, **flow.state())
+            reserved = writer.submit(state.write, store, state_key)
             shards = []  # (seq, items) of the batch
             for seq in range(first, first + n):
                 if items := _fitting(ctx, engine, _prompts(ctx, task, seq), seq):
@@ -136,8 +136,8 @@ def _write_inline(reserved: Future, post, key: str, table: pa.Table, scored: pa.
     post.write(key, table, scored, ready, prep_state)
 
 
-def backlog(progress: dict, worker: int, groups_written: int, kept_written: int | None,
-            buffered: dict | None = None) -> float:
+def backlog(progress: Progress, worker: int, groups_written: int, kept_written: int | None,
+            buffered: Buffered | None = None) -> float:
     """Kept prompt groups `worker` wrote that the learner has not committed, from the
     learner's `progress.json` (whose size does not grow with the run).
 
@@ -145,14 +145,13 @@ def backlog(progress: dict, worker: int, groups_written: int, kept_written: int 
     `buffered.json` says how many groups of the worker it has read and how many of those were
     kept; groups still on their way (scored, prepared, not yet read) count at the keep rate
     of everything the learner has seen of this worker (1 before it has seen any)."""
-    w = str(worker)
-    groups_done = int(progress.get("groups_by_worker", {}).get(w, 0))
-    kept_done = int(progress.get("kept_groups_by_worker", {}).get(w, 0))
+    groups_done = progress.groups_by_worker.get(worker, 0)
+    kept_done = progress.kept_groups_by_worker.get(worker, 0)
     if kept_written is not None:
         return kept_backlog(kept_written, kept_done)
-    buffered = buffered or {}
-    groups_buf = int(buffered.get("groups_by_worker", {}).get(w, 0))
-    kept_buf = int(buffered.get("kept_groups_by_worker", {}).get(w, 0))
+    buffered = buffered or Buffered()
+    groups_buf = buffered.groups_by_worker.get(worker, 0)
+    kept_buf = buffered.kept_groups_by_worker.get(worker, 0)
     rate = keep_rate(kept_done + kept_buf, groups_done + groups_buf)
     on_the_way = max(0, groups_written - groups_done - groups_buf)
     return kept_buf + on_the_way * rate
@@ -165,17 +164,17 @@ class Flow:
     knows each shard's kept groups; otherwise it estimates them with the keep rate of its
     groups the learner committed so far."""
 
-    def __init__(self, ctx: StageContext, state: dict, exact: bool) -> None:
+    def __init__(self, ctx: StageContext, state: WorkerState, exact: bool) -> None:
         self.ctx, self.exact = ctx, exact
-        self.groups = int(state.get("groups_written", 0))
-        self.kept = int(state.get("kept_written", 0))
+        self.groups = state.groups_written
+        self.kept = state.kept_written
         self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)
         self.started = time.monotonic()
         self.busy_s = 0.0
         self.round_kept = 0
 
-    def state(self) -> dict:
-        """What the worker's state file records (the counts before the reserved shard)."""
+    def state(self) -> dict[str, int]:
+        """The counts the worker's state records (those before the reserved shards)."""
         return {"groups_written": self.groups, "kept_written": self.kept}
 
     def wrote(self, groups: int, ready: pa.Table | None) -> None:
@@ -186,21 +185,20 @@ class Flow:
         self.kept += kept
         self.round_kept += kept
 
-    def backlog(self, progress: dict) -> float:
+    def backlog(self, progress: Progress) -> float:
         if self.exact:
             return backlog(progress, self.ctx.worker, self.groups, self.kept)
-        key = self.ctx.keys.state("learn", "buffered.json")
-        buffered = self.ctx.store.get_json(key) if self.ctx.store.exists(key) else None
+        buffered = Buffered.read(self.ctx.store, self.ctx.keys.buffered())
         return backlog(progress, self.ctx.worker, self.groups, None, buffered)
 
-    def cap(self, progress: dict) -> int:
+    def cap(self, progress: Progress) -> int:
         cfg = self.ctx.cfg
         lc = cfg.learner
-        k = effective_k(lc.max_staleness, int(progress.get("version", 0)), lc.total_steps,
+        k = effective_k(lc.max_staleness, progress.version, lc.total_steps,
                         lc.halve_staleness_at)
         return backlog_cap(lc.batch_prompts, self.ctx.workers, cfg.rollout.max_backlog_steps, k)
 
-    def full(self, progress: dict) -> bool:
+    def full(self, progress: Progress) -> bool:
         return self.backlog(progress) >= self.cap(progress)
 
     def pause(self, timeout: float) -> None:
@@ -222,7 +220,7 @@ class Flow:
             rate = 1.0
         return self.ctx.cfg.rollout.prompts_per_shard * rate
 
-    def batch(self, progress: dict) -> int:
+    def batch(self, progress: Progress) -> int:
         """Shards to generate in one batch: as many as the backlog has room for."""
         rc = self.ctx.cfg.rollout
         if self.ctx.once:
@@ -274,8 +272,7 @@ def _prompts(ctx: StageContext, task, seq: int):
     npr = ctx.cfg.algo.filters.no_positive_resampling
     if not npr.enabled:
         return task.train_items(ctx.worker, seq, n)
-    key = ctx.keys.state("prepare", "retired.json")
-    retired = set(ctx.store.get_json(key)["prompt_ids"]) if ctx.store.exists(key) else set()
+    retired = set(Retired.read(ctx.store, ctx.keys.retired()).prompt_ids)
     fresh = [it for it in task.train_items(ctx.worker, seq, 4 * n) if it.prompt_id not in retired]
     return fresh[:n] or task.train_items(ctx.worker, seq, n)
 

@@ -16,26 +16,17 @@ import pyarrow as pa
 from ..config import RunConfig
 from ..graph import GENERATOR, consumer, stage, upstream
 from ..store import RunKeys, Store
-from ..store.keys import ShardKind
-
-
-def shard_name(key: str) -> str:
-    return key.rsplit("/", 1)[-1]
+from ..store.keys import ShardKind, shard_name
+from ..store.records import Cursor, WorkerState
 
 
 def rollout_workers_past(store: Store, keys: RunKeys, workers: int) -> int:
     """The lowest version any rollout worker may still write (min over workers)."""
-    low = None
-    for w in range(workers):
-        key = keys.state("rollout", f"w{w:02d}.json")
-        version = int(store.get_json(key).get("version", 0)) if store.exists(key) else 0
-        low = version if low is None else min(low, version)
-    return low or 0
+    return min(WorkerState.read(store, keys.worker_state(w)).version for w in range(workers))
 
 
 def read_cursor(store: Store, keys: RunKeys, stage: str) -> int:
-    key = keys.state(stage, "cursor.json")
-    return int(store.get_json(key)["low"]) if store.exists(key) else 0
+    return Cursor.read(store, keys.cursor(stage)).low
 
 
 class Scanner:
@@ -51,7 +42,7 @@ class Scanner:
         self.upstream = upstream(name, cfg)
         self.handled = handled
         """version -> shard names already handled by this stage (outputs, ledger)."""
-        self.low = read_cursor(store, keys, stage)
+        self.low = read_cursor(store, keys, name)
 
     def upstream_low(self) -> int:
         if self.upstream is None:
@@ -72,7 +63,7 @@ class Scanner:
                 low = version + 1
         if low != self.low:
             self.low = low
-            self.store.put_json(self.keys.state(self.stage, "cursor.json"), {"low": low})
+            Cursor(low=low).write(self.store, self.keys.cursor(self.stage))
         return todo
 
 

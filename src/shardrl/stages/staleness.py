@@ -63,3 +63,9 @@ def gc_horizon(learner_version: int, max_staleness: int) -> int:
     `learner_version`: shards of later versions may still arrive from workers that are one
     version behind the newest and one commit in flight (hence the 2)."""
     return learner_version - max_staleness - 2
+
+
+def shards_per_step(batch_prompts: int, prompts_per_shard: int, workers: int) -> int:
+    """Rollout shards each of `workers` workers writes for one learner step (no filtering)."""
+    shards = -(-batch_prompts // prompts_per_shard)
+    return -(-shards // workers)

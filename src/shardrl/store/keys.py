@@ -85,6 +85,28 @@ class ShardKey:
         """The key these parts name."""
         return RunKeys(self.run_id).shard(self.kind, self.version, self.worker, self.seq)
 
+    @property
+    def name(self) -> str:
+        """`v000012/w00-000034.parquet`: the shard's name within its kind, the same for the
+        rollout, scored and ready shards of one reservation."""
+        return f"{version_dir(self.version)}/w{self.worker:02d}-{self.seq:06d}.parquet"
+
+
+def shard_name(key: str) -> str:
+    """The last segment of a shard key (`w00-000034.parquet`), also of a quarantined copy."""
+    return key.rsplit("/", 1)[-1]
+
+
+_EVAL_SUMMARY = re.compile(r"runs/[^/]+/eval/v(?P<version>\d{6})\.json\Z")
+
+
+def parse_eval_summary_key(key: str) -> int:
+    """The policy version of an `eval/v<6 digits>.json` key; ValueError if malformed."""
+    m = _EVAL_SUMMARY.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"not an evaluation summary key: {key!r}")
+    return int(m["version"])
+
 
 def parse_shard_key(key: str) -> ShardKey:
     """Split a rollout/scored/ready shard key into its parts; ValueError if malformed."""
@@ -205,9 +227,53 @@ class RunKeys:
     def state(self, stage: str, name: str) -> str:
         return f"{self.root}state/{_name(stage, 'stage')}/{_relative_path(name, 'state name')}"
 
+    # -- the control plane's records (see `store.records`) -----------------------------------
+    def progress(self) -> str:
+        """`state/learn/progress.json`: the learner's commit point (`Progress`)."""
+        return self.state("learn", "progress.json")
+
+    def buffered(self) -> str:
+        """`state/learn/buffered.json`: groups read but not committed (`Buffered`)."""
+        return self.state("learn", "buffered.json")
+
+    def ledger(self, commit: int) -> str:
+        """`state/learn/ledger-<commit>.json`: one commit's shards (`LedgerDelta`)."""
+        return self.state("learn", f"ledger-{_number(commit, MAX_STEP, 'commit'):06d}.json")
+
+    def ledger_prefix(self) -> str:
+        """The prefix every ledger delta of the run starts with."""
+        return self.state("learn", "ledger-")
+
+    def cursor(self, stage: str) -> str:
+        """`state/<stage>/cursor.json`: the stage's lowest open version (`Cursor`)."""
+        return self.state(stage, "cursor.json")
+
+    def worker_state(self, worker: int) -> str:
+        """`state/rollout/w<WW>.json`: a rollout worker's reservation (`WorkerState`)."""
+        return self.state("rollout", f"w{_number(worker, MAX_WORKER, 'worker'):02d}.json")
+
+    def retired(self) -> str:
+        """`state/prepare/retired.json`: prompts no longer sampled (`Retired`)."""
+        return self.state("prepare", "retired.json")
+
+    def eval_latest(self) -> str:
+        """`state/evaluate/latest.json`: the newest evaluated version (`EvalPointer`)."""
+        return self.state("evaluate", "latest.json")
+
     def quarantine(self, stage: str, key: str) -> str:
         """Where the run's object `key` goes when `stage` cannot use it."""
         return f"{self.root}quarantine/{_name(stage, 'stage')}/{self.relative(key)}"
+
+    def quarantine_prefix(self) -> str:
+        return f"{self.root}quarantine/"
+
+    def unquarantined(self, key: str) -> tuple[str, str]:
+        """(stage, original key) of a key `quarantine` made; ValueError for any other key."""
+        rest = key.removeprefix(self.quarantine_prefix())
+        stage, _, relative = rest.partition("/")
+        if rest == key or not relative:
+            raise ValueError(f"key {key!r} is not under {self.quarantine_prefix()}<stage>/")
+        return _name(stage, "stage"), self.root + relative
 
 
 _WRITER = re.compile(r"runs/[^/]+/metrics/(?P<stage>[^/]+)/(?P<writer>w\d+(?=[-/])|[^/]+)")

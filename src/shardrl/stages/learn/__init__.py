@@ -1,0 +1,40 @@
+"""learn: admit ready shards within staleness k, update the policy, publish versions.
+
+Each optimizer step publishes policy version `step`. The commit order per step is: weights of
+the new version, the ledger delta (which shards this commit consumed or dropped), an
+optimizer checkpoint when due, `state/learn/progress.json` (the learner's resumable state and
+the commit point), then `policy/LATEST.json`. A restarted learner resumes from progress.json:
+versions stay continuous and no shard is consumed twice.
+
+The step's store writes run in that order on a background thread while the next batch is
+read and computed; at most one commit is in flight, and the learner waits for it before the
+next commit, before DONE.json and before it exits. The weights and optimizer state are
+serialized before the next update changes them. A crash can lose only the commit in flight,
+which a restart redoes from the previous progress.json, as before.
+
+Under `torchrun` (DeepSpeed with `learner.backend.ranks > 1`) rank 0 is the leader: it alone
+lists, admits, logs and writes to the store. Before each update it broadcasts the step's plan
+(the shards that make the batch, the version, the KL coefficient); the other ranks read those
+shards, compute the same loss and join every collective of the step (the update, gathering
+ZeRO-3 weights for publishing, the optimizer checkpoint) in the same order. An empty plan
+tells them the run is over.
+
+    loop.py     the learner: resume, the leader's loop, one step, one commit
+    buffer.py   ready shards read and not yet committed; which of them make the next batch
+    commit.py   the ledger (what was committed) and the ordered background store writes
+    ranks.py    the step plan, the followers' loop, the collective part of a commit
+    profile.py  where a step's time went (busy, reading, waiting, hand-off latency)
+"""
+
+from __future__ import annotations
+
+from ..context import StageContext
+from .loop import Learner
+
+
+def main(ctx: StageContext) -> int:
+    learner = Learner(ctx)
+    return learner.run() if learner.leader else learner.follow()
+
+
+__all__ = ["Learner", "main"]

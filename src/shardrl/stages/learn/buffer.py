@@ -1,0 +1,110 @@
+"""The ready shards the learner has read and not yet committed, and the batching rule."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ...store import parse_shard_key
+from ...store.records import Buffered
+from ...store.schemas import READY
+from ...store.shards import read_or_quarantine
+from ..context import StageContext
+from ..inline import kept_groups
+from ..scan import Scanner
+from ..staleness import admitted
+from .profile import Profile
+
+FILTERED_LIMIT = 8
+"""Step anyway once this many batches' worth of groups wait and too few have signal."""
+
+Batch = list[tuple[str, pa.Table, str]]
+"""(key, table, outcome) of the shards one commit records: "admitted" or "stale"."""
+
+
+class ReadyBuffer:
+    """Finds and reads new ready shards (oldest version first) and cuts them into batches."""
+
+    def __init__(self, ctx: StageContext, scanner: Scanner, profile: Profile) -> None:
+        self.ctx, self.scanner, self.profile = ctx, scanner, profile
+        self.arrivals = ctx.store.watch(ctx.keys.kind_prefix("ready"))
+        self.items: list[tuple[str, pa.Table]] = []
+        """(key, table) of read shards not yet committed, oldest version first."""
+        self.waiting = False
+        """Whether the learner waited for data just before the current read."""
+
+    def poll(self, version: int) -> bool:
+        """Read the shards that appeared up to `version`; whether there were any."""
+        buffered = {k for k, _ in self.items}
+        new = [k for k in self.scanner.poll(version) if k not in buffered]
+        for key in new:
+            self._read(key)
+        if new:
+            self.arrivals.reset()
+        self.waiting = False
+        return bool(new)
+
+    def _read(self, key: str) -> None:
+        started = time.monotonic()
+        table = read_or_quarantine(self.ctx.store, key, READY, "learn")
+        self.profile.read_s += time.monotonic() - started
+        if table is None:
+            self.ctx.log.warning("quarantined %s", key)
+            return
+        if self.waiting:
+            self.profile.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
+        self.items.append((key, table))
+
+    def wait(self, timeout: float) -> None:
+        """Wait for a new ready shard (or `timeout`)."""
+        started = time.monotonic()
+        self.arrivals.wait(timeout)
+        self.profile.wait_s += time.monotonic() - started
+        self.waiting = True
+
+    @staticmethod
+    def outcome(key: str, version: int, k: int) -> str:
+        """"stale" if the shard's policy version lags `version` by more than `k`."""
+        return "admitted" if admitted(version, parse_shard_key(key).version, k) else "stale"
+
+    def next_batch(self, version: int, k: int, batch_prompts: int) -> Batch | None:
+        """The shards (from the front) that make the next step, None if too few.
+
+        A step takes shards in order until `batch_prompts` prompt groups kept by filtering are
+        in (ScaleRL's effective batch), or a long run of filtered ones; stale shards on the
+        way are dropped with it. Shards past that point wait for the next step, so a backlog
+        (after a restart, say) makes several steps of size B rather than one huge one.
+        """
+        kept, total = set(), set()
+        for n, (key, table) in enumerate(self.items, start=1):
+            if self.outcome(key, version, k) == "admitted":
+                ids = table.column("group_id").to_pylist()
+                total.update(ids)
+                kept.update(g for g, keep in zip(ids, table.column("keep").to_pylist(),
+                                                 strict=True) if keep)
+                if len(kept) >= batch_prompts or len(total) >= FILTERED_LIMIT * batch_prompts:
+                    return [(key, t, self.outcome(key, version, k)) for key, t in self.items[:n]]
+        return None
+
+    def stale(self, version: int, k: int) -> Batch:
+        """The buffered shards too old for `version`, as a batch of drops."""
+        return [(key, table, "stale") for key, table in self.items
+                if self.outcome(key, version, k) == "stale"]
+
+    def remove(self, batch: Batch) -> None:
+        gone = {key for key, _, _ in batch}
+        self.items = [(key, table) for key, table in self.items if key not in gone]
+
+    def counts(self) -> Buffered:
+        """Prompt groups (all, and kept by filtering) per rollout worker in the buffer: what
+        rollout workers that cannot count kept groups themselves (score and prepare run as
+        stages) read for their flow control."""
+        groups, kept = Counter(), Counter()
+        for key, table in self.items:
+            w = parse_shard_key(key).worker
+            groups[w] += len(pc.unique(table.column("group_id")))
+            kept[w] += kept_groups(table)
+        return Buffered(groups_by_worker=dict(groups), kept_groups_by_worker=dict(kept))

@@ -1,0 +1,131 @@
+"""What the learner has committed (the ledger) and the ordered store writes of a commit."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ...store import RunKeys, Store, parse_shard_key
+from ...store.keys import shard_name
+from ...store.records import Buffered, LedgerDelta, LedgerEntry, Progress
+from ..checkpoint import save_checkpoint
+from ..inline import kept_groups
+from ..policy import point_latest, publish_weight_bytes
+from .buffer import Batch
+
+
+class Ledger:
+    """Sample counts, per-worker shard and group counts, the lag histogram and the shard
+    names committed per open version: the learner's resumable state (`Progress`)."""
+
+    def __init__(self, state: Progress) -> None:
+        self.commits = state.commits
+        self.counts = Counter(state.counts)
+        self.by_worker = Counter(state.processed_by_worker)
+        self.groups_by_worker = Counter(state.groups_by_worker)
+        self.kept_by_worker = Counter(state.kept_groups_by_worker)
+        self.staleness = Counter(state.staleness)
+        self.names: dict[int, list[str]] = {v: list(n) for v, n in state.ledger.items()}
+
+    def handled(self, version: int) -> set[str]:
+        """Names of the shards of `version` already committed (the scanner skips them)."""
+        return set(self.names.get(version, ()))
+
+    def lags(self, version: int, table: pa.Table) -> None:
+        """Count the admitted samples of a step at learner `version` by their lag."""
+        for v in table.column("policy_version").to_pylist():
+            self.staleness[version - v] += 1
+
+    def record(self, batch: Batch) -> list[LedgerEntry]:
+        """Count a commit's shards; its ledger delta."""
+        delta = []
+        for key, table, outcome in batch:
+            sk = parse_shard_key(key)
+            rows = len(table)
+            if outcome == "stale":
+                self.counts["stale_dropped"] += rows
+            else:
+                kept = int(pc.sum(table.column("keep")).as_py() or 0)
+                self.counts["consumed"] += kept
+                self.counts["filtered"] += rows - kept
+            self.by_worker[sk.worker] += 1
+            self.groups_by_worker[sk.worker] += len(pc.unique(table.column("group_id")))
+            self.kept_by_worker[sk.worker] += kept_groups(table)
+            self.names.setdefault(sk.version, []).append(shard_name(key))
+            delta.append(LedgerEntry(key=key, outcome=outcome, rows=rows))
+        self.commits += 1
+        return delta
+
+    def forget_below(self, low: int) -> None:
+        """Drop the names of closed versions (below the scanner's cursor)."""
+        self.names = {v: names for v, names in self.names.items() if v >= low}
+
+    def progress(self, version: int, kl: dict[str, float], beta: float) -> Progress:
+        return Progress(
+            version=version, commits=self.commits, counts=dict(self.counts),
+            processed_by_worker=dict(self.by_worker), groups_by_worker=dict(self.groups_by_worker),
+            kept_groups_by_worker=dict(self.kept_by_worker), staleness=dict(self.staleness),
+            ledger={v: list(n) for v, n in self.names.items()}, kl=kl, beta=beta, time=time.time())
+
+
+@dataclass
+class Commit:
+    """Everything one commit writes, captured when it is made."""
+
+    progress: Progress
+    delta: list[LedgerEntry]
+    stepped: bool
+    weights: bytes | None = None
+    """The new version's weights (an applied step)."""
+    checkpoint: dict[str, bytes] = field(default_factory=dict)
+    """Checkpoint files (name -> safetensors bytes) when one is due."""
+    buffered: Buffered | None = None
+    """Groups read and not committed (rollout workers that cannot count kept groups)."""
+
+    def write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
+              collect: Callable[[int], object]) -> None:
+        """The store writes, in the commit order (see the package docstring)."""
+        version = self.progress.version
+        if self.weights is not None:
+            publish_weight_bytes(store, keys, version, self.weights)
+        LedgerDelta(version=version, stepped=self.stepped, shards=self.delta).write(
+            store, keys.ledger(self.progress.commits))
+        if self.buffered is not None:  # before progress.json: a reader double-counts, never misses
+            self.buffered.write(store, keys.buffered())
+        if self.checkpoint:
+            save_checkpoint(store, keys, version, self.checkpoint, keep_checkpoints)
+        self.progress.write(store, keys.progress())
+        if self.stepped:
+            point_latest(store, keys, version, step=version)
+            collect(version)
+
+
+class Writer:
+    """Store writes on one background thread, in order; at most one batch in flight."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
+        self.pending: Future | None = None
+
+    def submit(self, write: Callable, *args) -> None:
+        """Queue `write(*args)` behind the writes in flight, which must end first."""
+        self.wait()
+        self.pending = self.pool.submit(write, *args)
+
+    def wait(self) -> None:
+        """Wait for the writes in flight; their error, if any, is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown(wait=True)

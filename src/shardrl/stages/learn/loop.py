@@ -1,0 +1,217 @@
+"""The learner: resume, the leader's loop, one step, one commit (see the package docstring)."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from safetensors.torch import load as st_load
+
+from ...algo import get_kl_controller, lr_schedule
+from ...learner_backends import build_backend
+from ...store.records import Done, Progress
+from ...store.schemas import READY
+from ...store.shards import read_shard
+from ..checkpoint import latest_checkpoint
+from ..context import StageContext
+from ..policy import fetch_weights, load_policy, point_latest
+from ..retention import Retention
+from ..scan import Scanner
+from ..staleness import effective_k
+from ..update import compute_loss
+from . import ranks
+from .buffer import Batch, ReadyBuffer
+from .commit import Commit, Ledger, Writer
+from .profile import Profile
+
+
+class Learner:
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        cfg, store, keys = ctx.cfg, ctx.store, ctx.keys
+        published = store.watch(keys.root + "policy/", depth=0)
+        while ctx.latest_version() is None:
+            published.wait(cfg.learner.poll_interval_s)
+        published.close()
+        self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
+        self.model.train()
+        self.pad_id = tok.pad_token_id
+        state = Progress.read(store, keys.progress())
+        self.version = state.version
+        self.ledger = Ledger(state)
+        controller = cfg.algo.kl.controller
+        self.kl = get_kl_controller(controller.kind)(**controller.model_dump(exclude={"kind"}))
+        if state.kl:
+            self.kl.load_state_dict(state.kl)
+        self.backend = self._resume_backend()
+        self.leader = self.backend.rank == 0
+        self.in_step = False
+        """True while the ranks are inside one step's collectives (see `run`)."""
+        self.profile = Profile()
+        scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled)
+        self.buffer = ReadyBuffer(ctx, scanner, self.profile)
+        self.writer = Writer()
+        self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
+        from ...doctor.live import LiveDoctor
+
+        self.doctor = LiveDoctor(cfg, store, keys)
+
+    def _resume_backend(self):
+        """The backend over the policy (and critic), with the weights and optimizer state of
+        the last commit and checkpoint when resuming."""
+        ctx, cfg, store, keys = self.ctx, self.cfg, self.ctx.store, self.ctx.keys
+        critic, ckpt = None, None
+        if cfg.algo.critic is not None:
+            from ...models.heads import Critic
+            from ..policy import load_reference
+
+            critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
+        if self.version > 0:  # weights go in before the backend takes the modules over
+            self.model.load_state_dict(fetch_weights(store, keys, self.version), strict=False)
+            ckpt = latest_checkpoint(store, keys)
+            if ckpt is not None and critic is not None:
+                data = store.get_bytes(keys.learner_file(ckpt, f"{ranks.CRITIC}.safetensors"))
+                critic.load_state_dict(st_load(data))
+        backend = build_backend(cfg.learner, self.model, critic=critic,
+                                critic_lr=cfg.algo.critic.lr if critic is not None else None)
+        if self.version > 0:
+            if ckpt is not None:  # every rank loads its partition (a collective call)
+                name = f"{ranks.BACKEND_STATE}.safetensors"
+                backend.load_state_dict(st_load(store.get_bytes(keys.learner_file(ckpt, name))))
+            ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
+            if backend.rank == 0:
+                point_latest(store, keys, self.version, step=self.version)
+        if backend.world_size > 1:
+            ctx.log.info("rank %d of %d%s", backend.rank, backend.world_size,
+                         " (leader)" if backend.rank == 0 else "")
+        return backend
+
+    def k(self) -> int:
+        """The staleness bound in force at the current version."""
+        lc = self.cfg.learner
+        return effective_k(lc.max_staleness, self.version, lc.total_steps, lc.halve_staleness_at)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """The leader's loop; the other ranks `follow`."""
+        try:
+            return self._lead()
+        finally:
+            self.writer.close()
+            # stop the followers, unless they are inside a collective this rank left by an
+            # error: then this rank's exit ends the whole torchrun world
+            if self.backend.world_size > 1 and not self.in_step:
+                ranks.end(self.backend)
+
+    def _lead(self) -> int:
+        ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
+        while self.version < lc.total_steps:
+            new = buffer.poll(self.version)
+            if (batch := buffer.next_batch(self.version, self.k(), lc.batch_prompts)) is not None:
+                self.step(batch)
+                if ctx.once and self.version < lc.total_steps:
+                    return 0
+            elif stale := buffer.stale(self.version, self.k()):
+                # dropped now, counted in the ledger: they can never be admitted, and waiting
+                # for a step to carry them would hold their workers' backlog full
+                self.commit(stale, stepped=False)
+            elif new:
+                if not self.cfg.inline_postprocess:
+                    self.writer.submit(buffer.counts().write, ctx.store, ctx.keys.buffered())
+            elif ctx.once and ctx.done():
+                return 0
+            else:
+                buffer.wait(lc.poll_interval_s)
+        self.writer.wait()
+        Done(steps=self.version, counts=dict(self.ledger.counts), time=time.time(),
+             staleness=dict(self.ledger.staleness)).write(ctx.store, ctx.keys.done())
+        ctx.log.info("done: %d steps, %s", self.version, dict(self.ledger.counts))
+        return 0
+
+    def step(self, batch: Batch) -> None:
+        """One update on the admitted shards of `batch`, then the batch's commit."""
+        started, cpu_started = time.monotonic(), time.thread_time()
+        admitted = [(key, table) for key, table, outcome in batch if outcome == "admitted"]
+        table = pa.concat_tables([t for _, t in admitted])
+        kept = table.filter(table.column("keep"))
+        lag = self.version - pc.min(table.column("policy_version")).as_py()
+        self.in_step = True
+        if self.backend.world_size > 1:
+            ranks.Plan(self.version, self.kl.beta, [key for key, _ in admitted]).send(self.backend)
+        applied, metrics = self.update(kept, self.kl.beta)
+        if applied and "kl_sum" in metrics:
+            self.kl.update(metrics["kl_sum"], len(kept))
+        if not applied:
+            self.ledger.counts["skipped_steps"] += int(len(kept) > 0)
+        self.ledger.lags(self.version, table)
+        updated = self.profile.updated(started, cpu_started)
+        self.commit(batch, stepped=applied)
+        self.in_step = False
+        tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
+        metrics.update(
+            beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
+            stale_dropped=float(self.ledger.counts["stale_dropped"]),
+            skipped_steps=float(self.ledger.counts["skipped_steps"]),
+            **self.profile.step_metrics(started, updated, time.monotonic(), len(kept), tokens),
+        )
+        self.ctx.metrics.log(self.version, metrics)
+        if applied and self.version % self.cfg.learner.doctor_every == 0:
+            self.ctx.metrics.flush()  # the doctor reads the store: include this step
+            self.doctor.check(self.version)
+
+    def update(self, kept: pa.Table, beta: float) -> tuple[bool, dict[str, float]]:
+        """One optimizer step on the kept rows at the current version (every rank).
+
+        (applied, metrics); nothing happens, on every rank alike, when no row is kept.
+        """
+        lc = self.cfg.learner
+        if not len(kept):
+            return False, {}
+        scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
+                            total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
+        self.backend.set_lr("policy", lc.lr * scale)
+        with self.ctx.cores.busy() as cores:
+            loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
+                                      self.backend.critic)
+            cores.adjust()  # the backward pass may get cores the generator left meanwhile
+            applied, grad_norm = self.backend.step(loss)
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
+        return applied, metrics
+
+    def advance(self, stepped: bool) -> tuple[bytes | None, dict[str, bytes]]:
+        """After an applied step: the next version, its weights and any checkpoint due
+        (collective: every rank calls it in the same order)."""
+        if not stepped:
+            return None, {}
+        self.version += 1
+        due = self.version % self.cfg.learner.ckpt_every == 0
+        return ranks.gather(self.backend, self.model, self.leader, due)
+
+    def commit(self, batch: Batch, stepped: bool) -> None:
+        """Publish (if the step was applied) and record the batch's shards in the ledger.
+
+        The state is captured now; the writes, in the commit order, go to the background
+        writer (see the package docstring).
+        """
+        weights, files = self.advance(stepped)
+        delta = self.ledger.record(batch)
+        self.buffer.remove(batch)
+        self.ledger.forget_below(self.buffer.scanner.low)
+        commit = Commit(
+            progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta),
+            delta=delta, stepped=stepped, weights=weights, checkpoint=files,
+            buffered=None if self.cfg.inline_postprocess else self.buffer.counts())
+        self.writer.submit(commit.write, self.ctx.store, self.ctx.keys,
+                           self.cfg.learner.keep_checkpoints, self.retention.collect)
+
+    def follow(self) -> int:
+        """A non-leader rank: run each step the leader broadcasts, until the empty plan."""
+        while (plan := ranks.Plan.receive(self.backend)) is not None:
+            table = pa.concat_tables([read_shard(self.ctx.store, key, READY)
+                                      for key in plan.shards])
+            self.version = plan.version
+            applied, _ = self.update(table.filter(table.column("keep")), plan.beta)
+            self.advance(applied)
+        return 0

@@ -1,0 +1,144 @@
+"""The run's control plane: every small JSON object stages write for each other, typed.
+
+Each record is a pydantic model; its key comes from a `RunKeys` method. A stage reads a record
+with `Model.read(store, key)` (the empty record when the object does not exist yet, or None
+with `optional=True`) and writes it with `record.write(store, key)`. Unknown fields are
+errors both ways, so a misspelt field fails where it is written, not where it is read.
+
+    key                              record            written by     read by
+    policy/LATEST.json               PolicyPointer     snapshot,learn every stage
+    learner/LATEST.json              CheckpointPointer learn          learn
+    state/learn/progress.json        Progress          learn          rollout, prepare, monitor,
+                                                                      accounting, report
+    state/learn/buffered.json        Buffered          learn          rollout (flow control)
+    state/learn/ledger-<n>.json      LedgerDelta       learn          accounting
+    state/<stage>/cursor.json        Cursor            score,prepare, downstream scanners
+                                                       learn
+    state/rollout/w<WW>.json         WorkerState       rollout        rollout, scanners
+    state/prepare/retired.json       Retired           prepare        rollout (resampling)
+    state/evaluate/latest.json       EvalPointer       evaluate       monitor, promote
+    DONE.json                        Done              learn          every stage, monitor
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict
+
+from .base import Store
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def read(cls, store: Store, key: str, optional: bool = False) -> Self | None:
+        """The record at `key`; when there is none, the empty record (None if `optional`)."""
+        if not store.exists(key):
+            return None if optional else cls()
+        return cls.model_validate(store.get_json(key))
+
+    def write(self, store: Store, key: str) -> None:
+        store.put_json(key, self.model_dump(mode="json"))
+
+
+class PolicyPointer(Record):
+    """The newest complete policy version (its weights and manifest are written first)."""
+
+    version: int = 0
+    time: float = 0.0
+    step: int | None = None
+    """The learner step that published it (None for the snapshot's version 0)."""
+
+
+class CheckpointPointer(Record):
+    """The newest complete learner checkpoint."""
+
+    step: int = 0
+
+
+class Progress(Record):
+    """The learner's resumable state and commit point, written last in each commit."""
+
+    version: int = 0
+    """Policy version published by the last commit (= optimizer steps applied)."""
+    commits: int = 0
+    """Commits so far; names the next ledger delta."""
+    counts: dict[str, int] = {}
+    """Samples consumed, filtered, stale_dropped; skipped_steps."""
+    processed_by_worker: dict[int, int] = {}
+    """Shards committed per rollout worker."""
+    groups_by_worker: dict[int, int] = {}
+    """Prompt groups committed per rollout worker."""
+    kept_groups_by_worker: dict[int, int] = {}
+    """Of those, the groups zero-variance filtering kept."""
+    staleness: dict[int, int] = {}
+    """Samples per lag (learner version - policy version) at their step."""
+    ledger: dict[int, list[str]] = {}
+    """Shard names committed per open policy version (closed versions are dropped)."""
+    kl: dict[str, float] = {}
+    """The KL controller's state."""
+    beta: float | None = None
+    """The KL coefficient in force after the commit."""
+    time: float | None = None
+    """When the commit's state was captured."""
+
+
+class Buffered(Record):
+    """Prompt groups per rollout worker in shards the learner read but has not committed."""
+
+    groups_by_worker: dict[int, int] = {}
+    kept_groups_by_worker: dict[int, int] = {}
+
+
+class LedgerEntry(Record):
+    key: str
+    outcome: Literal["admitted", "stale"]
+    rows: int
+
+
+class LedgerDelta(Record):
+    """The shards one commit consumed or dropped."""
+
+    version: int = 0
+    stepped: bool = False
+    shards: list[LedgerEntry] = []
+
+
+class Cursor(Record):
+    """The lowest policy version still open for a stage (see `stages.scan`)."""
+
+    low: int = 0
+
+
+class WorkerState(Record):
+    """A rollout worker's reservation: the next free shard sequence number and its counts."""
+
+    next_seq: int = 0
+    version: int = 0
+    """The policy version it generates with."""
+    groups_written: int = 0
+    kept_written: int = 0
+    """Prompt groups written before the reserved shards (kept: when scored inline)."""
+
+
+class Retired(Record):
+    """Prompts No-Positive-Resampling no longer samples."""
+
+    prompt_ids: list[str] = []
+
+
+class EvalPointer(Record):
+    """The newest evaluated policy version."""
+
+    version: int = 0
+
+
+class Done(Record):
+    """Written by the learner after its last commit: looping stages stop on it."""
+
+    steps: int = 0
+    counts: dict[str, int] = {}
+    time: float = 0.0
+    staleness: dict[int, int] = {}
