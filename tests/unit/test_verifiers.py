@@ -94,3 +94,28 @@ def test_run_verifier_never_raises():
     )
     assert run_verifier(lambda r, a: True, "1", "1") == (1.0, None)
     assert run_verifier(numeric, "5", "five") == (0.0, "ValueError: answer 'five' is not a number")
+
+
+def test_chat_answers_are_extracted():
+    cases = {
+        "The answer is 42.": 1.0,
+        "**42**": 1.0,
+        "= 42": 1.0,
+        "17 + 25 = 42.": 1.0,
+        "The answer is **42**.": 1.0,
+        "**42** is the sum of 17 and 25": 1.0,  # an emphasised number beats the last one
+        "The answer is 17+25 = 42.": 1.0,  # "answer is" an equation: its result
+        "The answer is \\(42\\).": 1.0,
+        "Answer: `42`": 1.0,
+        "The answer is 5+38 = 43.": 0.0,
+        "17 + 25 = 32.": 0.0,
+        "I am not sure.": 0.0,
+    }
+    assert {text: math_final_answer(text, "42") for text in cases} == cases
+    # a text answer: stated explicitly, or the last words of the last line
+    assert math_final_answer("The answer is dbga.", "dbga") == 1.0
+    assert math_final_answer("Shift each letter:\nThe word is **dbga**.", "dbga") == 1.0
+    assert math_final_answer("dbga", "dbga") == 1.0
+    assert math_final_answer("The answer is not dbga", "dbga") == 0.0
+    assert math_final_answer("dbgb", "dbga") == 0.0
+    assert math_final_answer("It is New York.", "New York") == 1.0

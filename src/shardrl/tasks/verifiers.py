@@ -34,6 +34,12 @@ _BOXED = "\\boxed{"
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+# Markdown emphasis and code marks, and LaTeX inline-math delimiters, that chat models wrap
+# their answers in: removed before an answer is looked for ("**42**", "`42`", "\\(42\\)").
+_MARKUP = re.compile(r"\*\*|__|`|\\[()\[\]]")
+_ITALIC = re.compile(r"(?<![\w*])[*_](?=\S)([^*_\n]+?)(?<=\S)[*_](?![\w*])")
+_BOLD = re.compile(r"\*\*([^*\n]+)\*\*|__([^_\n]+)__")
+_WORD_EDGE = " \t.,;:!?\"'()[]{}"
 
 
 class VerifierError(ValueError):
@@ -84,22 +90,49 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """A number at the start of `text` ("42 apples" -> "42"), else `text` up to ". " or ", "."""
+    """A number at the start of `text` ("42 apples" -> "42"), else `text` up to ". " or ", ";
+    after the last "=" when there is one ("5+38 = 43." -> "43")."""
+    text = text.rsplit("=", 1)[-1]
     if number := _NUMBER.match(text.strip().lstrip("$")):
         return number.group(0)
     return re.split(r"\.\s|,\s", text, maxsplit=1)[0]
 
 
+def strip_markup(text: str) -> str:
+    """`text` without markdown emphasis or code marks and LaTeX inline-math delimiters:
+    "The answer is **42**." -> "The answer is 42.", "\\(x+1\\)" -> "x+1"."""
+    return _MARKUP.sub("", _ITALIC.sub(r"\1", text))
+
+
+def _bold_number(text: str) -> str | None:
+    """The last emphasised span (`**X**` or `__X__`) that is a number, as written."""
+    for bold, under in reversed(_BOLD.findall(text)):
+        span = (bold or under).strip().rstrip(".").strip()
+        if _NUMBER.fullmatch(span.strip("$")) and parse_number(span) is not None:
+            return span
+    return None
+
+
 def final_answer(response: str) -> str | None:
     """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
-    then the last number."""
+    then the last emphasised number ("**42**"), then the last number. Markdown emphasis
+    and LaTeX inline delimiters around an answer are ignored."""
     if (boxed := last_boxed(response)) is not None:
         return boxed
+    plain = strip_markup(response)
     for pattern in (_ANSWER_IS, _HASHES):
-        if found := pattern.findall(response):
+        if found := pattern.findall(plain):
             return _leading_answer(found[-1])
-    found = _NUMBER.findall(response)
+    if (bold := _bold_number(response)) is not None:
+        return bold
+    found = _NUMBER.findall(plain)
     return found[-1] if found else None
+
+
+def _last_line(response: str) -> str:
+    """The last non-empty line of a response, without markup or edge punctuation."""
+    lines = [line for line in strip_markup(response).splitlines() if line.strip()]
+    return lines[-1].strip(_WORD_EDGE) if lines else ""
 
 
 def _normalise(text: str) -> str:
@@ -134,15 +167,32 @@ def math_final_answer(response: str, answer: str) -> float:
     """1.0 when the response's final answer equals the reference.
 
     Numbers compare exactly as fractions (`0.5` == `1/2` == `\\frac{1}{2}`, `1,000` ==
-    `1000`); anything else compares as text without spaces, `$` or a final period.
+    `1000`); anything else compares as text without spaces, markup, `$` or a final period.
+    A reference that is not a number is also found as the last line of a response that
+    states no final answer ("dbga", "The word is **dbga**."): the whole line, or its last
+    words as many as the reference has.
     """
+    expected = parse_number(answer)
     stated = final_answer(response)
-    if stated is None:
+    if stated is not None:
+        got = parse_number(stated)
+        if got is not None and expected is not None:
+            return 1.0 if got == expected else 0.0
+        if _normalise(strip_markup(stated)) == _normalise(answer):
+            return 1.0
+    if expected is not None or _states_answer(response):
         return 0.0
-    got, expected = parse_number(stated), parse_number(answer)
-    if got is not None and expected is not None:
-        return 1.0 if got == expected else 0.0
-    return 1.0 if _normalise(stated) == _normalise(answer) else 0.0
+    # a text reference, and no explicit answer: the last line, or as many last words
+    line, want = _last_line(response), answer.lower().split()
+    tail = [w.strip(_WORD_EDGE).lower() for w in line.split()][-len(want):] if want else []
+    return 1.0 if want and (_normalise(line) == _normalise(answer) or tail == want) else 0.0
+
+
+def _states_answer(response: str) -> bool:
+    """Whether the response marks an answer explicitly (boxed, "answer is", "####")."""
+    plain = strip_markup(response)
+    return last_boxed(response) is not None or bool(_ANSWER_IS.search(plain)
+                                                     or _HASHES.search(plain))
 
 
 VERIFIERS["python_exec"] = python_exec_verifier(SandboxLimits())
