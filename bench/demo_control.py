@@ -35,6 +35,7 @@ from shardrl.stages.evaluate import EVAL_SEED
 from shardrl.stages.policy import load_policy
 from shardrl.stages.sft import answer_loss, encode_pairs
 from shardrl.store import LocalStore, RunKeys
+from shardrl.tasks.prompts import PromptFormat
 from shardrl.tasks.source import make_task
 
 WORK = Path(__file__).parent / "_work"
@@ -44,8 +45,8 @@ def heldout_pass(model, tokenizer, cfg, task) -> float:
     engine = HFEngine(model.eval(), eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, fp32_lm_head=cfg.model.fp32_lm_head)
     items = task.heldout
-    out = engine.generate([tokenizer(it.prompt)["input_ids"] for it in items],
-                          cfg.eval.samples_per_prompt, temperature=cfg.eval.temperature,
+    prompts = PromptFormat.from_config(cfg).encode(tokenizer, [it.prompt for it in items])
+    out = engine.generate(prompts, cfg.eval.samples_per_prompt, temperature=cfg.eval.temperature,
                           top_p=1.0, max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
     ok = [task.verify(tokenizer.decode(s.token_ids, skip_special_tokens=True), it.answer)
           for it, samples in zip(items, out, strict=True) for s in samples]
@@ -54,7 +55,8 @@ def heldout_pass(model, tokenizer, cfg, task) -> float:
 
 def continue_sft(model, tokenizer, cfg, task, seconds: float) -> int:
     sft = cfg.model.sft
-    rows = encode_pairs(tokenizer, task.demonstrations(sft.demonstrations))
+    rows = encode_pairs(tokenizer, task.demonstrations(sft.demonstrations),
+                        PromptFormat.from_config(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr)
     rng, steps, start = random.Random(cfg.seed), 0, time.monotonic()
     model.train()

@@ -104,6 +104,7 @@ class SyncTrainer:
         from shardrl.engines.hf import HFEngine
         from shardrl.learner_backends import build_backend
         from shardrl.models.io import load_causal_lm, load_tokenizer
+        from shardrl.tasks.prompts import PromptFormat
         from shardrl.tasks.rewards import build_reward
         from shardrl.tasks.source import make_task
 
@@ -113,6 +114,7 @@ class SyncTrainer:
         self.cfg = cfg
         self.task = make_task(cfg)
         self.model, self.tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
+        self.prompt_format = PromptFormat.from_config(cfg)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.engine = HFEngine(self.model, eos_token_id=self.tokenizer.eos_token_id,
                                pad_token_id=self.tokenizer.pad_token_id,
@@ -144,9 +146,13 @@ class SyncTrainer:
             items = self.task.train_items(0, seq, n)
         if self.context is None:
             return items
-        return [it for it in items
-                if len(self.tokenizer(it.prompt)["input_ids"]) + rc.max_new_tokens
-                <= self.context]
+        lengths = [len(ids) for ids in self.encode([it.prompt for it in items])]
+        return [it for it, n in zip(items, lengths, strict=True)
+                if n + rc.max_new_tokens <= self.context]
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Prompt token ids as the rollout stage encodes them (`task.prompt_format`)."""
+        return self.prompt_format.encode(self.tokenizer, prompts)
 
     def generate(self, shards: int, clock: PausableClock,
                  events: list[tuple[float, float]]) -> list:
@@ -171,7 +177,7 @@ class SyncTrainer:
             return []
         started = time.monotonic()
         self.model.eval()
-        prompt_ids = [self.tokenizer(it.prompt)["input_ids"] for it in items]
+        prompt_ids = self.encode([it.prompt for it in items])
         groups = self.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                       top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
                                       seed=cfg.seed * 1_000_003 + per_shard[0][0])

@@ -354,6 +354,7 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
     from shardrl.models.io import load_causal_lm, load_tokenizer
+    from shardrl.tasks.prompts import PromptFormat
     from shardrl.tasks.source import make_task
 
     clock_start = time.time() if clock_start is None else clock_start
@@ -364,9 +365,12 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     # 32x the prompts ShardRL's learner takes: TRL, faster per step, also sees fresh prompts
     shards = 32 * lc.total_steps * lc.batch_prompts // ro.prompts_per_shard
     items = [it for s in range(shards) for it in task.train_items(0, s, ro.prompts_per_shard)]
-    data = Dataset.from_dict({"prompt": [it.prompt for it in items],
-                              "answer": [it.answer for it in items]})
     model, tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
+    # prompts as ShardRL's rollout formats them (`task.prompt_format`): with `chat` TRL gets
+    # the templated text, a plain-text prompt it does not template again
+    fmt = PromptFormat.from_config(cfg)
+    data = Dataset.from_dict({"prompt": [fmt.text(tokenizer, it.prompt) for it in items],
+                              "answer": [it.answer for it in items]})
     callback = make_budget_callback(clock_start, budget, budget / eval_points,
                                     lambda m: heldout_pass(m, tokenizer, cfg, task))
     snapshot_pass = callback.measure(model)

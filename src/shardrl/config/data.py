@@ -83,10 +83,25 @@ class SandboxLimits(Section):
 
 
 class TaskConfig(Section):
-    """Where prompts come from."""
+    """Where prompts come from and how the model reads them."""
 
     source: TaskSource = BuiltinTask()
     """The task."""
+    prompt_format: Literal["raw", "chat"] = "raw"
+    """'raw': the prompt text as is; 'chat': the tokenizer's chat template applied to the
+    prompt as a user message, ending with the assistant's turn (needs a tokenizer with a
+    chat template). Rollout, evaluation and SFT format prompts the same way."""
+    system_prompt: str | None = None
+    """System message placed before the prompt (`prompt_format: chat` only)."""
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_chat(self) -> TaskConfig:
+        if self.system_prompt is not None and self.prompt_format != "chat":
+            raise ValueError(
+                "task.system_prompt is set but task.prompt_format is 'raw': a system prompt "
+                "goes through the chat template, so set task.prompt_format: chat"
+            )
+        return self
 
 
 class RewardConfig(Section):

@@ -76,6 +76,12 @@ class RunConfig(Section):
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "
                 "or set `algo.advantages.estimator: gae`"
             )
+        if self.task.prompt_format == "chat" and self.model.source.kind == "tiny":
+            errors.append(
+                "`task.prompt_format: chat` needs a tokenizer with a chat template, and the "
+                "tiny model's character tokenizer has none: set `task.prompt_format: raw` or "
+                "`model.source: {kind: pretrained, path: ...}` with a chat model"
+            )
         if self.rollout.postprocess == "inline" and (reason := self.inline_blocker()):
             errors.append(f"`rollout.postprocess: inline` {reason}: set "
                           "`rollout.postprocess: stages` (or auto)")

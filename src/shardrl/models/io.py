@@ -130,8 +130,15 @@ def load_causal_lm(model_dir: str | Path, *, dtype: torch.dtype = torch.float32)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """Load the tokenizer saved in `model_dir` (no network)."""
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    """Load the tokenizer saved in `model_dir` (no network).
+
+    A tokenizer without a pad token pads with its EOS token (as many chat models ship):
+    padding positions are always masked by length, never found by comparing with the pad id.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

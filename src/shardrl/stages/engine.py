@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..engines.hf import HFEngine
+from ..tasks.prompts import PromptFormat
 from .context import StageContext
 from .policy import fetch_weights, load_policy
 
@@ -13,6 +14,8 @@ class PolicyEngine:
     def __init__(self, ctx: StageContext, version: int) -> None:
         self.ctx = ctx
         model, self.tokenizer = load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir())
+        self.prompt_format = PromptFormat.from_config(ctx.cfg)
+        self.prompt_format.check(self.tokenizer)
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)
         """Longest prompt + response the model takes (None: unbounded)."""
         cfg = ctx.cfg
@@ -40,7 +43,8 @@ class PolicyEngine:
         return True
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p)["input_ids"] for p in prompts]
+        """Prompt token ids in the run's `task.prompt_format`."""
+        return self.prompt_format.encode(self.tokenizer, prompts)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..algo import lr_schedule
 from ..config.model import SFTConfig
+from ..tasks.prompts import PromptFormat
 
 log = logging.getLogger("shardrl.snapshot")
 
@@ -26,14 +27,12 @@ class SFTResult:
     train_loss: float
 
 
-def encode_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + answer + eos, index where the answer starts) per pair."""
-    out = []
-    for prompt, answer in pairs:
-        p = tokenizer(prompt)["input_ids"]
-        full = tokenizer(prompt + answer)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((full, len(p)))
-    return out
+def encode_pairs(tokenizer, pairs: list[tuple[str, str]],
+                 prompt_format: PromptFormat | None = None) -> list[tuple[list[int], int]]:
+    """(token ids of formatted prompt + answer + eos, index where the answer starts) per
+    pair; the prompt is formatted as rollout formats it (`PromptFormat`, raw by default)."""
+    fmt = prompt_format or PromptFormat()
+    return [fmt.encode_pair(tokenizer, prompt, answer) for prompt, answer in pairs]
 
 
 def _batch(rows: list[tuple[list[int], int]], pad: int):
@@ -68,10 +67,11 @@ def validation_loss(model, rows, pad: int, batch_size: int = 256) -> float:
     return total / max(count, 1)
 
 
-def train_sft(model, tokenizer, train_pairs, val_pairs, cfg: SFTConfig, seed: int) -> SFTResult:
+def train_sft(model, tokenizer, train_pairs, val_pairs, cfg: SFTConfig, seed: int,
+              prompt_format: PromptFormat | None = None) -> SFTResult:
     """Train in place to the plateau of the validation loss; keeps the best epoch's weights."""
-    train_rows = encode_pairs(tokenizer, train_pairs)
-    val_rows = encode_pairs(tokenizer, val_pairs)
+    train_rows = encode_pairs(tokenizer, train_pairs, prompt_format)
+    val_rows = encode_pairs(tokenizer, val_pairs, prompt_format)
     pad = tokenizer.pad_token_id
     steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
     total = steps_per_epoch * cfg.max_epochs

@@ -11,6 +11,7 @@ from .. import __version__
 from ..config.model import PretrainedModel
 from ..models.io import check_tokenizers_match, load_causal_lm, load_tokenizer, save_model
 from ..models.tiny import build_tiny_model, train_tokenizer
+from ..tasks.prompts import PromptFormat
 from ..tasks.source import make_task
 from .context import StageContext
 from .policy import point_latest, upload_folder
@@ -27,6 +28,8 @@ def main(ctx: StageContext) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, tokenizer = _initial_model(ctx, task, work)
+        prompt_format = PromptFormat.from_config(cfg)
+        prompt_format.check(tokenizer)  # before any training: rollout would refuse it too
         ctx.log.info("policy has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
         sft_info = None
         if cfg.model.sft.enabled:
@@ -34,7 +37,7 @@ def main(ctx: StageContext) -> int:
             pairs = task.demonstrations(sft.demonstrations)
             n_val = max(1, int(len(pairs) * sft.validation_fraction))
             val = [(it.prompt, it.answer) for it in task.validation] or pairs[:n_val]
-            result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed)
+            result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed, prompt_format)
             sft_info = dataclasses.asdict(result) | {"demonstrations": len(pairs)}
             ctx.log.info("sft done: %s", sft_info)
         policy_dir = work / "policy"

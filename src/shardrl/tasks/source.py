@@ -34,16 +34,22 @@ class TaskData:
     heldout: list[TaskItem]
     """The fixed evaluation split."""
     verify: Callable[[str, str], float]
-    """The task's own checker (response, answer) -> reward."""
+    """The task's own checker (response, answer) -> reward: exact for raw prompts, the
+    stated final answer (`verifiers.math_final_answer`) for chat prompts."""
     corpus: list[str] = field(default_factory=list)
     """Texts covering the task's characters (to train a tokenizer)."""
 
 
 def make_task(cfg: RunConfig) -> TaskData:
     source = cfg.task.source
-    if isinstance(source, BuiltinTaskConfig):
-        return _builtin(cfg, source)
-    return _dataset(cfg)
+    task = _builtin(cfg, source) if isinstance(source, BuiltinTaskConfig) else _dataset(cfg)
+    if cfg.task.prompt_format == "chat":
+        # a chat model answers in sentences ("17 + 25 = 42.", "The answer is **42**."):
+        # the task's checker compares the final answer it states, not the whole response
+        from .verifiers import math_final_answer
+
+        task.verify = math_final_answer
+    return task
 
 
 def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
