@@ -15,6 +15,7 @@ import yaml
 
 from ..config import RunConfig, load_config, validate
 from ..config.loader import apply_override, resolve_mapping
+from ..quiet import quiet_libraries
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
 from ..store.records import PolicyPointer
@@ -44,6 +45,7 @@ def retry_policy(cfg: RunConfig) -> RetryPolicy:
 
 
 def setup_logging(stage: str, worker: int) -> logging.Logger:
+    quiet_libraries()
     name = stage if worker == 0 else f"{stage}.{worker}"
     logging.basicConfig(
         level=os.environ.get("SHARDRL_LOG_LEVEL", "INFO"),
