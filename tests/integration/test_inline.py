@@ -84,3 +84,65 @@ def test_a_rollout_shard_left_without_its_ready_shard_is_finished_on_restart(tmp
     # nothing is redone once finished
     restarted.recover(last_version=3, newest=3)
     assert restarted.preparer.recent == ["w00-000004.parquet", "w00-000005.parquet"]
+
+
+def npr_shard(seq: int, easy_right: bool) -> pa.Table:
+    """Group 0 asks prompt "easy" (all 4 right or all 4 wrong), group 1 a new prompt each
+    shard (2 right, 2 wrong)."""
+    table = rollout_table(0, 0, seq)
+    right = [easy_right] * 4 + [True, False, True, False]
+    table = table.set_column(0, "prompt_id", pa.array(["easy"] * 4 + [f"new{seq}"] * 4))
+    return table.set_column(table.schema.get_field_index("response_text"), "response_text",
+                            pa.array(["bcd" if r else "bce" for r in right]))
+
+
+def test_pass_rate_history_and_retired_set_are_stored_incrementally(tmp_path):
+    """The history is a snapshot plus the ready shards merged since; the retired set a
+    series of changes that a reader follows from where it stopped; a restarted preparer
+    rebuilds exactly the history it had."""
+    from shardrl.stages.prepare import SNAPSHOT_MIN
+    from shardrl.stages.rollout import RetiredPrompts
+
+    npr = "algo.filters.no_positive_resampling"
+    ctx = context(tmp_path, "rollout", f"{npr}.enabled=true", f"{npr}.window=4",
+                  f"{npr}.retire_at=0.75", f"{npr}.min_samples=4")
+    store, keys = ctx.store, ctx.keys
+    post = InlinePostprocess(ctx)
+    early_reader, late_reader = RetiredPrompts(store, keys), RetiredPrompts(store, keys)
+    for seq in range(20):
+        key = keys.rollout(0, 0, seq)
+        table = npr_shard(seq, easy_right=True)
+        scored, ready = post.process(table)
+        post.write(key, table, scored, ready, post.preparer.record(key, ready))
+        if seq == 3:
+            assert early_reader.refresh() == {"easy"}
+    tracker = post.preparer.tracker
+    assert tracker.retired() == {"easy"} and len(tracker) == 21
+    # snapshots after 8 and 16 shards (8 shards of 8 samples outnumber the 9 to 17 prompts):
+    # only the newest is kept, and only the retired changes from its full set on
+    state = ctx.store.get_json(post.preparer.state_key)
+    assert SNAPSHOT_MIN == 8 and state["passrate_snapshot"] == 2
+    assert state["replay"] == [keys.ready_for(keys.rollout(0, 0, s)) for s in range(16, 20)]
+    assert [k.rsplit("/", 1)[1] for k in store.list(keys.root + "state/prepare/passrate-")] == \
+        ["passrate-000002.json"]
+    changes = store.list(keys.retired_prefix())
+    assert store.get_json(changes[0]) == {"full": True, "add": ["easy"], "remove": []}
+    assert len(changes) == 1  # nothing changed after the second snapshot
+    assert early_reader.refresh() == late_reader.refresh() == {"easy"}
+
+    # a restarted preparer: snapshot + replay give the same history
+    restarted = Preparer(context(tmp_path, "prepare", f"{npr}.enabled=true", f"{npr}.window=4",
+                                 f"{npr}.retire_at=0.75", f"{npr}.min_samples=4"))
+    assert restarted.tracker.state_dict() == tracker.state_dict()
+    assert restarted.retired_changes == post.preparer.retired_changes
+
+    # "easy" fails from now on: once its last 4 samples are wrong it comes back
+    for seq in range(20, 21):
+        key = keys.rollout(0, 0, seq)
+        table = npr_shard(seq, easy_right=False)
+        scored, ready = post.process(table)
+        post.write(key, table, scored, ready, post.preparer.record(key, ready))
+    assert tracker.pass_rate("easy") == 0.0 and tracker.retired() == set()
+    assert store.get_json(store.list(keys.retired_prefix())[-1]) == \
+        {"full": False, "add": [], "remove": ["easy"]}
+    assert early_reader.refresh() == set() and RetiredPrompts(store, keys).refresh() == set()

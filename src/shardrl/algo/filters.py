@@ -42,9 +42,17 @@ class PassRateTracker:
         self.retire_at = retire_at
         self.min_samples = min_samples
         self._history: dict[str, deque[bool]] = {}
+        self._retired: set[str] = set()
 
-    def update(self, prompt_ids: Iterable[str], correct: Iterable[bool] | Tensor) -> None:
-        """Record one outcome per sample: `prompt_ids[i]` was solved iff `correct[i]`."""
+    def _retires(self, history: deque[bool]) -> bool:
+        return len(history) >= self.min_samples and sum(history) / len(history) >= self.retire_at
+
+    def update(self, prompt_ids: Iterable[str], correct: Iterable[bool] | Tensor
+               ) -> tuple[set[str], set[str]]:
+        """Record one outcome per sample: `prompt_ids[i]` was solved iff `correct[i]`.
+
+        Returns (prompts retired by this update, prompts it brought back); only the prompts
+        it touched are looked at, so an update costs its samples, not the prompts seen."""
         outcomes = correct.tolist() if isinstance(correct, Tensor) else list(correct)
         ids = list(prompt_ids)
         if len(ids) != len(outcomes):
@@ -54,6 +62,13 @@ class PassRateTracker:
             if history is None:
                 history = self._history[prompt_id] = deque(maxlen=self.window)
             history.append(bool(ok))
+        added, removed = set(), set()
+        for prompt_id in set(ids):
+            now = self._retires(self._history[prompt_id])
+            if now != (prompt_id in self._retired):
+                (added if now else removed).add(prompt_id)
+        self._retired = (self._retired | added) - removed
+        return added, removed
 
     def pass_rate(self, prompt_id: str) -> float | None:
         """Share of solved samples among the prompt's last `window`; None if never seen."""
@@ -64,11 +79,14 @@ class PassRateTracker:
 
     def retired(self) -> set[str]:
         """Prompts whose recent pass rate reached `retire_at` with at least `min_samples`."""
-        return {
-            prompt_id
-            for prompt_id, history in self._history.items()
-            if len(history) >= self.min_samples and sum(history) / len(history) >= self.retire_at
-        }
+        return set(self._retired)
+
+    def retired_count(self) -> int:
+        return len(self._retired)
+
+    def __len__(self) -> int:
+        """Prompts with a recorded history."""
+        return len(self._history)
 
     def state_dict(self) -> dict[str, Any]:
         """Settings and histories (0/1 lists, oldest first), JSON-serialisable."""
@@ -88,3 +106,4 @@ class PassRateTracker:
             str(pid): deque((bool(x) for x in h), maxlen=self.window)
             for pid, h in state["history"].items()
         }
+        self._retired = {pid for pid, h in self._history.items() if self._retires(h)}

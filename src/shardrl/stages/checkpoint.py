@@ -4,6 +4,7 @@ under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pic
 from __future__ import annotations
 
 from ..store import RunKeys, Store
+from ..store.keys import folder_number
 from ..store.records import CheckpointPointer
 
 
@@ -24,9 +25,8 @@ def latest_checkpoint(store: Store, keys: RunKeys) -> int | None:
 
 
 def _prune(store: Store, keys: RunKeys, step: int, keep: int) -> None:
-    prefix = keys.root + "learner/"
-    steps = sorted({int(k[len(prefix):].split("/")[0][5:]) for k in store.list(prefix)
-                    if k[len(prefix):].startswith("ckpt-")})
+    steps = sorted({s for k in store.list(keys.root + "learner/")
+                    if (s := folder_number(k, "learner")) is not None})
     for old in steps[:-keep]:
         if old != step:
             for key in store.list(keys.learner_prefix(old)):

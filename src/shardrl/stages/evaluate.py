@@ -46,9 +46,10 @@ def latest_evaluated(store: Store, keys: RunKeys) -> int | None:
     return pointer.version if pointer is not None else None
 
 
-def summaries(store: Store, keys: RunKeys) -> dict[int, dict]:
-    """{version: evaluation summary} of every evaluated version (lists `eval/`)."""
-    return {parse_eval_summary_key(k): store.get_json(k)
+def summaries(store: Store, keys: RunKeys, read: bool = True) -> dict[int, dict | None]:
+    """{version: evaluation summary} of every evaluated version (one listing of `eval/`);
+    the summaries are None with `read=False`."""
+    return {parse_eval_summary_key(k): store.get_json(k) if read else None
             for k in store.list(keys.root + "eval/") if k.endswith(".json")}
 
 
@@ -57,8 +58,7 @@ class Schedule:
 
     def __init__(self, store: Store, keys: RunKeys, every: int, total: int) -> None:
         self.every, self.total = every, total
-        self.done = {int(k.rsplit("/v", 1)[1][:6]) for k in store.list(keys.root + "eval/")
-                     if k.endswith(".json")}
+        self.done = set(summaries(store, keys, read=False))
         """Evaluated versions `next` has not reached yet."""
         self.next: int | None = 0
         self._skip_done()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -16,7 +18,7 @@ from ..algo import (
     zero_variance_keep,
 )
 from ..store.keys import shard_name
-from ..store.records import Progress, Retired
+from ..store.records import PassRateSnapshot, PrepareState, Progress, RetiredChange
 from ..store.schemas import READY, SCORED
 from ..store.shards import read_shard, write_shard
 from .batch import padded_column
@@ -25,6 +27,8 @@ from .scan import Scanner, output_names, process_shards
 
 STATE = "state.json"
 RECENT = 1024  # merged shard names remembered for exact recovery after a crash
+SNAPSHOT_MIN, SNAPSHOT_MAX = 8, 256
+"""Ready shards between two snapshots of the pass-rate history (see `Preparer.record`)."""
 
 
 def main(ctx: StageContext) -> int:
@@ -36,7 +40,7 @@ def main(ctx: StageContext) -> int:
     def handle(key: str, table: pa.Table) -> None:
         ready = prep.prepare(table)
         write_shard(store, keys.ready_for(key), ready, READY)
-        prep.merged(shard_name(key), ready)
+        prep.merged(key, ready)
 
     return process_shards(ctx, scanner, SCORED, handle, cfg.prepare.poll_interval_s)
 
@@ -92,6 +96,17 @@ def shape_shard(algo, reward_rm: torch.Tensor, group_ids: torch.Tensor, moments:
             reasons)
 
 
+@dataclass
+class StateWrites:
+    """What one recorded ready shard changes in the store (see `Preparer.record`)."""
+
+    state: PrepareState | None = None
+    snapshot: tuple[int, PassRateSnapshot] | None = None
+    retired: tuple[int, RetiredChange] | None = None
+    obsolete: list[str] = field(default_factory=list)
+    """Keys deleted once the state is written (an older snapshot, older retired changes)."""
+
+
 class Preparer:
     """Holds the running reward statistics and pass-rate history; both survive restarts."""
 
@@ -104,14 +119,28 @@ class Preparer:
         if npr.enabled:
             self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
                                            min_samples=npr.min_samples)
-        self.recent: list[str] = []
         self.state_key = ctx.keys.state("prepare", state)
-        if ctx.store.exists(self.state_key):
-            state = ctx.store.get_json(self.state_key)
-            self.moments.load_state_dict(state["moments"])
-            if self.tracker is not None and state.get("tracker"):
-                self.tracker.load_state_dict(state["tracker"])
-            self.recent = state["recent"]
+        saved = PrepareState.read(ctx.store, self.state_key)
+        if saved.moments:
+            self.moments.load_state_dict(saved.moments)
+        self.recent = saved.recent
+        self.snapshot, self.replay = saved.passrate_snapshot, saved.replay
+        self.retired_changes = saved.retired_changes
+        if self.tracker is not None:
+            self._load_history()
+
+    def _load_history(self) -> None:
+        """The pass-rate history: its last snapshot, then the outcomes of the ready shards
+        merged since (a ready shard the learner quarantined since is skipped)."""
+        store, keys = self.ctx.store, self.ctx.keys
+        if self.snapshot is not None:
+            snap = PassRateSnapshot.read(store, keys.passrate_snapshot(self.snapshot))
+            self.tracker.load_state_dict(snap.model_dump())
+        for key in self.replay:
+            if store.exists(key):
+                table = read_shard(store, key, READY)
+                self.tracker.update(table.column("prompt_id").to_pylist(),
+                                    table.column("correct").to_pylist())
 
     def recover(self, low: int, newest: int, only: str = "") -> None:
         """Merge statistics of ready shards written just before a crash but not yet saved
@@ -122,7 +151,7 @@ class Preparer:
             for key in self.ctx.store.list(keys.version_prefix("ready", version)):
                 if shard_name(key) not in known and shard_name(key).startswith(only):
                     self.ctx.log.info("recovering statistics of %s", key)
-                    self.merged(shard_name(key), read_shard(self.ctx.store, key, READY),
+                    self.merged(key, read_shard(self.ctx.store, key, READY),
                                 update_moments=True)
 
     def prepare(self, table: pa.Table) -> pa.Table:
@@ -156,32 +185,70 @@ class Preparer:
             self.moments.update(reward_rm)
         return shape_shard(algo, reward_rm, group_ids, self.moments, kl_seq, beta)
 
-    def merged(self, name: str, ready: pa.Table, update_moments: bool = False) -> None:
-        """Record a written ready shard in the persisted state (and its statistics if recovering)."""
+    def merged(self, key: str, ready: pa.Table, update_moments: bool = False) -> None:
+        """Record a written ready shard (of shard `key`) in the persisted state, and its
+        statistics if recovering."""
         if update_moments and self.ctx.cfg.algo.shaping.normalize:
             valid = [r not in INVALID for r in ready.column("filter_reason").to_pylist()]
             self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()[valid]))
-        self.save(self.record(name, ready))
+        self.save(self.record(key, ready))
 
-    def record(self, name: str, ready: pa.Table) -> dict:
-        """Add a ready shard to the pass-rate history; the state to `save` once it is written."""
-        self.recent = (self.recent + [shard_name(name)])[-RECENT:]
-        state = {"moments": {k: float(v) for k, v in self.moments.state_dict().items()},
-                 "recent": self.recent}
+    def record(self, key: str, ready: pa.Table) -> StateWrites:
+        """Add the ready shard of shard `key` (any kind) to the statistics and the pass-rate
+        history; what to `save` once the ready shard is written.
+
+        The history is stored incrementally: the ready shards merged since its last
+        snapshot are its log (their prompt ids and outcomes), and a new snapshot is due once
+        that log holds as many samples as the history has prompts (at least `SNAPSHOT_MIN`
+        and at most `SNAPSHOT_MAX` shards), so writing it costs a bounded amount per sample.
+        Changes of the retired set go to numbered files; a snapshot writes the whole set and
+        the earlier changes are deleted.
+        """
+        ready_key = self.ctx.keys.ready_for(key)
+        self.recent = (self.recent + [shard_name(ready_key)])[-RECENT:]
+        writes = StateWrites()
         if self.tracker is not None:
-            self.tracker.update(ready.column("prompt_id").to_pylist(),
-                                ready.column("correct").to_pylist())
-            state |= {"tracker": self.tracker.state_dict(),
-                      "retired": sorted(self.tracker.retired())}
-        return state
+            added, removed = self.tracker.update(ready.column("prompt_id").to_pylist(),
+                                                 ready.column("correct").to_pylist())
+            self.replay.append(ready_key)
+            logged = len(self.replay) * max(1, len(ready))
+            if len(self.replay) >= SNAPSHOT_MAX or (len(self.replay) >= SNAPSHOT_MIN
+                                                    and logged >= len(self.tracker)):
+                if self.snapshot is not None:
+                    writes.obsolete.append(self.ctx.keys.passrate_snapshot(self.snapshot))
+                self.snapshot = (self.snapshot or 0) + 1
+                writes.snapshot = (self.snapshot,
+                                   PassRateSnapshot.model_validate(self.tracker.state_dict()))
+                self.replay = []
+                writes.retired = (self.retired_changes,
+                                  RetiredChange(full=True, add=sorted(self.tracker.retired())))
+                self.retired_changes += 1
+            elif added or removed:
+                writes.retired = (self.retired_changes,
+                                  RetiredChange(add=sorted(added), remove=sorted(removed)))
+                self.retired_changes += 1
+        writes.state = PrepareState(
+            moments={k: float(v) for k, v in self.moments.state_dict().items()},
+            recent=list(self.recent), passrate_snapshot=self.snapshot, replay=list(self.replay),
+            retired_changes=self.retired_changes)
+        return writes
 
-    def save(self, state: dict) -> None:
-        """Persist a state from `record` (the retired prompts beside it, when resampling is on)."""
-        state = dict(state)
-        retired = state.pop("retired", None)
-        self.ctx.store.put_json(self.state_key, state)
-        if retired is not None:
-            Retired(prompt_ids=retired).write(self.ctx.store, self.ctx.keys.retired())
+    def save(self, writes: StateWrites) -> None:
+        """Persist what `record` captured: the snapshot and the retired change first, then
+        the state that names them, then the deletion of what they replace."""
+        store, keys = self.ctx.store, self.ctx.keys
+        if writes.snapshot is not None:
+            n, snap = writes.snapshot
+            snap.write(store, keys.passrate_snapshot(n))
+        if writes.retired is not None:
+            n, change = writes.retired
+            change.write(store, keys.retired_change(n))
+        writes.state.write(store, self.state_key)
+        if writes.retired is not None and writes.retired[1].full:
+            newest = keys.retired_change(writes.retired[0])
+            writes.obsolete += [k for k in store.list(keys.retired_prefix()) if k < newest]
+        for key in writes.obsolete:
+            store.delete(key)
 
     def _kl_seq(self, table: pa.Table) -> torch.Tensor:
         behaviour = torch.from_numpy(padded_column(table, "behavior_logprobs"))
@@ -204,7 +271,7 @@ class Preparer:
         if self.tracker is not None:
             rates = [r for r in (self.tracker.pass_rate(p) for p in
                                  set(table.column("prompt_id").to_pylist())) if r is not None]
-            values["retired_prompts"] = float(len(self.tracker.retired()))
+            values["retired_prompts"] = float(self.tracker.retired_count())
             values["prompt_pass_rate_mean"] = float(np.mean(rates)) if rates else 0.0
         if len(adv):  # none when every row of the shard is invalid
             values.update({

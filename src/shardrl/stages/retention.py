@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..store import RunKeys, Store
+from ..store.keys import folder_number
 from .evaluate import latest_evaluated, next_wanted, wanted
 from .staleness import gc_horizon
 
@@ -36,9 +37,8 @@ class Retention:
         """{evaluated version: its promote.metric}, read once each."""
         self.next_read: int | None = 0
         """The first wanted version whose summary is not read yet."""
-        prefix = keys.root + "policy/"
-        present = {int(k[len(prefix) + 1:].split("/")[0]) for k in store.list(prefix)
-                   if k[len(prefix):].startswith("v")}
+        present = {v for k in store.list(keys.root + "policy/")
+                   if (v := folder_number(k, "policy")) is not None}
         horizon = gc_horizon(version, cfg.learner.max_staleness)
         self.waiting = sorted(v for v in present if 0 < v <= horizon)
         """Versions past the horizon kept for evaluation or promotion (after a restart: all

@@ -8,8 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from ..store import Store
-from ..store.records import Buffered, Progress, Retired, WorkerState
+from ..store import RunKeys, Store
+from ..store.records import Buffered, Progress, RetiredChange, WorkerState
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
@@ -41,6 +41,8 @@ def main(ctx: StageContext) -> int:
         post = InlinePostprocess(ctx)
         post.recover(state.version, ctx.latest_version() or 0)
     flow = Flow(ctx, state, exact=post is not None)
+    retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
+               else None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     written, paused, skipped = 0, False, 0
     # store writes run in order on one thread, overlapping the next shard's generation; a
@@ -71,7 +73,7 @@ def main(ctx: StageContext) -> int:
             reserved = writer.submit(state.write, store, state_key)
             shards = []  # (seq, items) of the batch
             for seq in range(first, first + n):
-                if items := _fitting(ctx, engine, _prompts(ctx, task, seq), seq):
+                if items := _fitting(ctx, engine, _prompts(ctx, task, seq, retired), seq):
                     shards.append((seq, items))
                     skipped = 0
                     continue
@@ -267,13 +269,32 @@ def _wait_for_policy(ctx: StageContext) -> int:
     return version
 
 
-def _prompts(ctx: StageContext, task, seq: int):
+class RetiredPrompts:
+    """The prompts No-Positive-Resampling retired, followed from prepare's numbered changes:
+    each refresh lists only the changes after the last one read."""
+
+    def __init__(self, store: Store, keys: RunKeys) -> None:
+        self.store, self.prefix = store, keys.retired_prefix()
+        self.ids: set[str] = set()
+        self.last: str | None = None
+
+    def refresh(self) -> set[str]:
+        for key in self.store.list(self.prefix, start_after=self.last):
+            change = RetiredChange.read(self.store, key, optional=True)
+            self.last = key
+            if change is None:  # replaced by a later full set, which this listing holds
+                continue
+            self.ids = set(change.add) if change.full else (self.ids | set(change.add))
+            self.ids -= set(change.remove)
+        return self.ids
+
+
+def _prompts(ctx: StageContext, task, seq: int, retired: RetiredPrompts | None):
     n = ctx.cfg.rollout.prompts_per_shard
-    npr = ctx.cfg.algo.filters.no_positive_resampling
-    if not npr.enabled:
+    if retired is None:
         return task.train_items(ctx.worker, seq, n)
-    retired = set(Retired.read(ctx.store, ctx.keys.retired()).prompt_ids)
-    fresh = [it for it in task.train_items(ctx.worker, seq, 4 * n) if it.prompt_id not in retired]
+    skip = retired.refresh()
+    fresh = [it for it in task.train_items(ctx.worker, seq, 4 * n) if it.prompt_id not in skip]
     return fresh[:n] or task.train_items(ctx.worker, seq, n)
 
 

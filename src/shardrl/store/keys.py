@@ -31,6 +31,7 @@ MAX_WORKER = 99
 MAX_SEQ = 999_999
 MAX_STEP = 999_999
 MAX_TIME_US = 10**16 - 1
+MAX_COUNT = 999_999_999
 METRICS_BUCKET_US = 10**9
 """Width in microseconds (about 17 minutes) of one folder of bucketed metric chunks: a writer
 flushes at most every few seconds, so a folder holds a few hundred chunks however long the
@@ -98,6 +99,18 @@ def shard_name(key: str) -> str:
 
 
 _EVAL_SUMMARY = re.compile(r"runs/[^/]+/eval/v(?P<version>\d{6})\.json\Z")
+
+
+_FOLDERS = {"policy": re.compile(r"runs/[^/]+/policy/v(?P<number>\d{6})/"),
+            "learner": re.compile(r"runs/[^/]+/learner/ckpt-(?P<number>\d{6})/")}
+
+
+def folder_number(key: str, area: Literal["policy", "learner"]) -> int | None:
+    """The policy version of a key under `policy/v<6 digits>/` (area "policy") or the step of
+    one under `learner/ckpt-<6 digits>/` (area "learner"); None for any other key (the
+    LATEST.json pointers)."""
+    m = _FOLDERS[area].match(key) if isinstance(key, str) else None
+    return int(m["number"]) if m else None
 
 
 def parse_eval_summary_key(key: str) -> int:
@@ -252,9 +265,17 @@ class RunKeys:
         """`state/rollout/w<WW>.json`: a rollout worker's reservation (`WorkerState`)."""
         return self.state("rollout", f"w{_number(worker, MAX_WORKER, 'worker'):02d}.json")
 
-    def retired(self) -> str:
-        """`state/prepare/retired.json`: prompts no longer sampled (`Retired`)."""
-        return self.state("prepare", "retired.json")
+    def passrate_snapshot(self, n: int) -> str:
+        """`state/prepare/passrate-<n>.json`: the pass-rate history (`PassRateSnapshot`)."""
+        return self.state("prepare", f"passrate-{_number(n, MAX_SEQ, 'snapshot'):06d}.json")
+
+    def retired_prefix(self) -> str:
+        return self.state("prepare", "retired") + "/"
+
+    def retired_change(self, n: int) -> str:
+        """`state/prepare/retired/<n>.json`: the n-th change of the retired prompts
+        (`RetiredChange`); numbered in key order."""
+        return self.retired_prefix() + f"{_number(n, MAX_COUNT, 'change'):09d}.json"
 
     def eval_latest(self) -> str:
         """`state/evaluate/latest.json`: the newest evaluated version (`EvalPointer`)."""

@@ -15,7 +15,9 @@ errors both ways, so a misspelt field fails where it is written, not where it is
     state/<stage>/cursor.json        Cursor            score,prepare, downstream scanners
                                                        learn
     state/rollout/w<WW>.json         WorkerState       rollout        rollout, scanners
-    state/prepare/retired.json       Retired           prepare        rollout (resampling)
+    state/prepare/<state>.json       PrepareState      prepare        prepare
+    state/prepare/passrate-<n>.json  PassRateSnapshot  prepare        prepare
+    state/prepare/retired/<n>.json   RetiredChange     prepare        rollout (resampling)
     state/evaluate/latest.json       EvalPointer       evaluate       monitor, promote
     DONE.json                        Done              learn          every stage, monitor
 """
@@ -123,10 +125,37 @@ class WorkerState(Record):
     """Prompt groups written before the reserved shards (kept: when scored inline)."""
 
 
-class Retired(Record):
-    """Prompts No-Positive-Resampling no longer samples."""
+class PrepareState(Record):
+    """A preparer's statistics, saved after each ready shard it writes."""
 
-    prompt_ids: list[str] = []
+    moments: dict[str, float] = {}
+    """Running reward moments (reward normalization)."""
+    recent: list[str] = []
+    """Names of the last ready shards merged (exact recovery after a crash)."""
+    passrate_snapshot: int | None = None
+    """Number of the pass-rate snapshot the history starts from (No-Positive-Resampling)."""
+    replay: list[str] = []
+    """Ready shards merged since that snapshot: their outcomes complete the history."""
+    retired_changes: int = 0
+    """Retired-set changes written so far (numbers the next one)."""
+
+
+class PassRateSnapshot(Record):
+    """The pass-rate history at one point (`PassRateTracker.state_dict`)."""
+
+    window: int
+    retire_at: float
+    min_samples: int
+    history: dict[str, list[int]]
+
+
+class RetiredChange(Record):
+    """A change of the set of prompts No-Positive-Resampling no longer samples; `full`: the
+    whole set, after which the earlier changes are deleted."""
+
+    full: bool = False
+    add: list[str] = []
+    remove: list[str] = []
 
 
 class EvalPointer(Record):
