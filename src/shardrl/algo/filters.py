@@ -11,7 +11,7 @@ from torch import Tensor
 from shardrl.algo.utils import group_index, group_sum
 
 
-def zero_variance_keep(rewards: Tensor, group_ids: Tensor, tol: float = 1e-6) -> Tensor:
+def zero_variance_keep(rewards: Tensor, group_ids: Tensor, tol: float) -> Tensor:
     """Which samples keep a learning signal: False for every sample of a group whose rewards
     have population std <= tol (all equal, or a group of one), True otherwise.
 
@@ -32,7 +32,7 @@ class PassRateTracker:
     over the last `window` of them is >= `retire_at`; later epochs skip retired prompts.
     """
 
-    def __init__(self, window: int = 100, retire_at: float = 0.9, min_samples: int = 8) -> None:
+    def __init__(self, window: int, retire_at: float, min_samples: int) -> None:
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(
                 "need window >= 1 and 1 <= min_samples <= window, "
