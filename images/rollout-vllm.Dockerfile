@@ -1,4 +1,5 @@
-# ShardRL GPU rollout image: the rollout stage with `rollout.engine: vllm` (vllm extra).
+# ShardRL GPU generation image: the rollout and evaluate stages with `rollout.engine: vllm`
+# (vllm extra).
 # torch comes from PyPI at the version vLLM requires (CUDA wheels; the node provides the driver).
 # Build from the repository root:
 #   docker build -f images/rollout-vllm.Dockerfile -t REGISTRY/shardrl-rollout-vllm:VERSION .
@@ -18,6 +19,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/shardrl
 RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl
+# A C compiler: Triton builds its CUDA launcher stub with `cc` the first time vLLM loads a
+# model (and torch.compile's Inductor compiles with it); without one the engine fails to
+# start. The Python headers it includes ship with the python base image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml images/requirements.py /tmp/build/
 RUN python /tmp/build/requirements.py /tmp/build/pyproject.toml vllm > /tmp/build/requirements.txt \
     && pip install --no-cache-dir -r /tmp/build/requirements.txt \

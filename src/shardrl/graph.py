@@ -51,7 +51,9 @@ class StageSpec:
     ranks_when: tuple[str, object, str] | None = None
     """(field, value, ranks field): processes per replica under torchrun when field == value."""
     image_when: tuple[tuple[str, object, Image], ...] = ()
-    """(field, value, image) rules, first match wins; else the base image."""
+    """(field, value, image) rules, first match wins; else the base image. A stage that builds
+    a generation engine (`stages/engine.py`: rollout and evaluate) follows `rollout.engine`,
+    so a vLLM run never starts one in an image without vLLM."""
     inline: bool = False
     """The rollout workers can run this stage inside their process (`rollout.postprocess`)."""
 
@@ -101,7 +103,8 @@ STAGES: tuple[StageSpec, ...] = (
               ranks_when=("learner.backend.kind", "deepspeed", "learner.backend.ranks"),
               image_when=(("learner.backend.kind", "deepspeed", "deepspeed"),)),
     StageSpec("evaluate", "shardrl.stages.evaluate", True, ("snapshot",),
-              "held-out pass@1 of published versions", threads_from="eval.threads"),
+              "held-out pass@1 of published versions", threads_from="eval.threads",
+              image_when=(("rollout.engine", "vllm", "vllm"),)),
     StageSpec("promote", "shardrl.stages.promote", False, ("learn", "evaluate"),
               "registers the chosen checkpoint in the model registry and moves aliases",
               memory="2Gi"),
@@ -161,10 +164,13 @@ def upstream(name: str, cfg: RunConfig) -> str | None:
 
 
 def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
-               worker: int = 0, workers: int = 1, once: bool = False, ranks: int = 1) -> list[str]:
+               worker: int = 0, workers: int = 1, once: bool = False, ranks: int = 1,
+               supervise: bool = False) -> list[str]:
     """The command line that runs one replica of a stage (same in a pod and locally).
 
     With `ranks > 1` the replica is `ranks` processes on one node, started by `torchrun`.
+    `supervise` restarts the stage inside its container when it crashes (`--supervise`; a
+    pipeline's looping tasks); not under `torchrun`, whose ranks fail and restart together.
     """
     stage(name)
     launcher = ["shardrl"]
@@ -175,6 +181,8 @@ def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
         cmd += ["--store", store]
     if workers > 1:
         cmd += ["--worker", str(worker), "--workers", str(workers)]
+    if supervise and ranks == 1:
+        cmd.append("--supervise")
     if once:
         cmd.append("--once")
     return cmd

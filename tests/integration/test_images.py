@@ -127,3 +127,9 @@ def test_hadolint(name):
     proc = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "warning",
                            str(DOCKERFILES[name])], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_vllm_image_has_a_c_compiler():
+    """Triton compiles its launcher with `cc` when vLLM first loads a model."""
+    runs = [arg for op, arg in instructions(DOCKERFILES["shardrl-rollout-vllm"]) if op == "RUN"]
+    assert any("apt-get install" in r and " gcc " in f"{r} " and "libc6-dev" in r for r in runs)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +126,40 @@ def test_multi_rank_learner_runs_under_torchrun(tmp_path):
     assert tasks["learn"].container.image == image_ref(STAGE_IMAGES["deepspeed"], REGISTRY)
     assert tasks["learn"].container.resources.accelerator.resource_count == "2"
     assert list(tasks["rollout"].container.command)[0] == "shardrl"
+
+
+def builds_engine(module: str) -> bool:
+    """Whether a stage module (or any module of a stage package) imports the generation
+    engine of `stages/engine.py`, read from its source."""
+    found = importlib.util.find_spec(module)
+    origin = Path(found.origin)
+    files = sorted(origin.parent.rglob("*.py")) if found.submodule_search_locations else [origin]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("engine") \
+                    and any(a.name == "PolicyEngine" for a in node.names):
+                return True
+    return False
+
+
+def test_vllm_config_runs_every_engine_stage_in_the_vllm_image(tmp_path):
+    cfg = load_config("demo", ["rollout.engine=vllm", "rollout.postprocess=stages",
+                               "pipeline.resources.rollout.gpus=1",
+                               "pipeline.resources.evaluate.gpus=1"])
+    paths = compile_pipelines(cfg, tmp_path, registry=REGISTRY)
+    vllm_image = image_ref(STAGE_IMAGES["vllm"], REGISTRY)
+    needs_vllm = {name for name in STAGE_NAMES if builds_engine(stage(name).module)}
+    assert needs_vllm == {"rollout", "evaluate"}
+    for name, path in paths.items():
+        tasks = load_compiled(path)[1]
+        assert sorted(tasks) == sorted(STAGE_NAMES), name
+        for stage_name, t in tasks.items():
+            in_vllm = t.container.image == vllm_image
+            assert in_vllm == (stage_name in needs_vllm), (name, stage_name, t.container.image)
+    # with the hf engine no task runs in the vLLM image
+    cfg = load_config("demo", ["rollout.postprocess=stages"])
+    for path in compile_pipelines(cfg, tmp_path / "hf", registry=REGISTRY).values():
+        assert all(t.container.image != vllm_image for t in load_compiled(path)[1].values())
 
 
 def test_hand_written_commands_and_images(compiled):

@@ -87,6 +87,14 @@ def test_heads_must_divide_width():
 def test_vllm_needs_gpu_resources():
     (err,) = _errors({"rollout": {"engine": "vllm"}})
     assert "pipeline.resources.rollout.gpus" in err.message
+    # evaluate builds a vLLM engine too: it needs its own GPU
+    assert "pipeline.resources.evaluate.gpus" in err.message
+    (err,) = _errors({"rollout": {"engine": "vllm"},
+                      "pipeline": {"resources": {"rollout": {"gpus": 1}}}})
+    assert "stage evaluate" in err.message and "stage rollout" not in err.message
+    cfg = validate({"rollout": {"engine": "vllm"}, "pipeline": {"resources": {
+        "rollout": {"gpus": 1}, "evaluate": {"gpus": 1}}}})
+    assert cfg.rollout.engine == "vllm"
 
 
 def test_learner_ranks_cannot_exceed_its_gpus():

@@ -7,6 +7,7 @@ import json
 
 from pydantic import Field, model_validator
 
+from ..graph import STAGES
 from .algo import AlgoConfig
 from .base import Section
 from .data import RewardConfig, TaskConfig
@@ -59,11 +60,12 @@ class RunConfig(Section):
                 f"({self.learner.total_steps}): lower eval.every so at least one "
                 "intermediate evaluation happens"
             )
-        if self.rollout.engine == "vllm" and self.pipeline.resources.rollout.gpus == 0:
-            errors.append(
-                "rollout engine 'vllm' needs a GPU: set `pipeline.resources.rollout.gpus: 1` "
-                "or `rollout.engine: hf`"
-            )
+        for spec in STAGES:  # every stage that builds a vLLM engine runs on a GPU
+            if spec.image(self) == "vllm" and getattr(self.pipeline.resources, spec.name).gpus == 0:
+                errors.append(
+                    f"rollout engine 'vllm' needs a GPU in stage {spec.name}: set "
+                    f"`pipeline.resources.{spec.name}.gpus: 1` or `rollout.engine: hf`"
+                )
         backend, learn_gpus = self.learner.backend, self.pipeline.resources.learn.gpus
         if backend.kind == "deepspeed" and 0 < learn_gpus < backend.ranks:
             errors.append(
