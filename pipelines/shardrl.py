@@ -33,8 +33,14 @@ from shardrl.graph import StageSpec, active
 from .cluster import DEFAULT_STORE, STAGE_SECRETS
 
 PIPELINE_NAMES: tuple[str, ...] = ("shardrl", "shardrl-sync")
-RETRY_BACKOFF = ("30s", 2.0, "3600s")
-"""Backoff of a failed task's retries: first delay, growth factor, longest retry window."""
+RETRY_DELAY_S = 30
+RETRY_FACTOR = 2.0
+"""Backoff of a failed task's retries: first delay, growth factor."""
+MAX_DURATION_S = 315_576_000_000
+"""The largest protobuf Duration (10,000 years)."""
+CACHE_DIR = "/home/shardrl/.cache/shardrl"
+"""Where a task's cache volume is mounted: the stages' default cache folder in the images
+(`$HOME/.cache/shardrl`, HOME=/home/shardrl)."""
 
 _DESCRIPTIONS = {
     "shardrl": "Asynchronous RL fine-tuning: snapshot, then rollout workers, score, prepare, "
@@ -69,8 +75,46 @@ def stage_image(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None 
     return image_ref(STAGE_IMAGES[spec.image(cfg)], registry, tag)
 
 
+def retry_window_s(cfg: RunConfig) -> int:
+    """The retry backoff's `maxDuration`: every attempt's full stage timeout plus every delay.
+
+    Argo measures `maxDuration` from the first attempt's start (not from the failure), and on a
+    retry it also cuts the new pod's deadline to what is left of it; the KFP backend passes
+    `backoff_max_duration` through unchanged. A window shorter than the attempts themselves
+    (kfp's default is an hour) means a stage that ran longer is never retried.
+    """
+    retries = cfg.pipeline.max_restarts
+    delays = sum(int(RETRY_DELAY_S * RETRY_FACTOR ** i) for i in range(retries + 1))
+    return min((retries + 1) * cfg.pipeline.stage_timeout_s + delays, MAX_DURATION_S)
+
+
+def configure_pod(task: dsl.PipelineTask, gpus: int, cfg: RunConfig) -> dsl.PipelineTask:
+    """Pull secrets and the model cache volume of every task; /dev/shm, node selector and
+    tolerations of a GPU task (through kfp-kubernetes' platform config)."""
+    pod = cfg.pipeline.pod
+    if pod.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(pod.image_pull_secrets))
+    # Model files go to a volume of their own, not the container's writable layer. The IR has
+    # no ephemeral-storage request on the container: a generic ephemeral volume (with a
+    # storage class) is reserved before the pod is scheduled; an emptyDir is bounded.
+    if pod.cache_storage_class:
+        kubernetes.add_ephemeral_volume(task, "shardrl-cache", CACHE_DIR, ["ReadWriteOnce"],
+                                        pod.cache_size, storage_class_name=pod.cache_storage_class)
+    else:
+        kubernetes.empty_dir_mount(task, "shardrl-cache", CACHE_DIR, size_limit=pod.cache_size)
+    if gpus > 0:
+        kubernetes.empty_dir_mount(task, "dshm", "/dev/shm", medium="Memory",
+                                   size_limit=pod.shm_size)
+        for label, value in pod.gpu_node_selector.items():
+            kubernetes.add_node_selector(task, label, value)
+        for tol in pod.gpu_tolerations:
+            kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value,
+                                      effect=tol.effect)
+    return task
+
+
 def configure_task(task: dsl.PipelineTask, spec: StageSpec, cfg: RunConfig) -> dsl.PipelineTask:
-    """Resources, retries, timeout, caching and secrets of one stage task."""
+    """Resources, pod settings, retries, timeout, caching and secrets of one stage task."""
     res = getattr(cfg.pipeline.resources, spec.name)
     task.set_display_name(spec.name)
     # Stages work on the store, not on KFP outputs: a cached task would skip real work.
@@ -79,10 +123,16 @@ def configure_task(task: dsl.PipelineTask, spec: StageSpec, cfg: RunConfig) -> d
     task.set_memory_request(res.memory).set_memory_limit(res.memory)
     if res.gpus > 0:
         task.set_accelerator_type(res.gpu_type).set_accelerator_limit(res.gpus)
+    configure_pod(task, res.gpus, cfg)
     if cfg.pipeline.max_restarts > 0:
-        delay, factor, window = RETRY_BACKOFF
-        task.set_retry(num_retries=cfg.pipeline.max_restarts, backoff_duration=delay,
-                       backoff_factor=factor, backoff_max_duration=window)
+        # The KFP backend compiles this to Argo's retryStrategy without a retryPolicy, so
+        # Argo's default applies (OnFailure): a main container that exits non-zero, is killed
+        # (SIGTERM on preemption or a graceful node shutdown) or evicted is retried; a pod
+        # deleted outright (its node removed) ends the node in Error, which is not. Restarts
+        # of a crashed stage happen inside the pod (`--supervise`) and need no Argo retry.
+        task.set_retry(num_retries=cfg.pipeline.max_restarts,
+                       backoff_duration=f"{RETRY_DELAY_S}s", backoff_factor=RETRY_FACTOR,
+                       backoff_max_duration=f"{retry_window_s(cfg)}s")
     # The pod's activeDeadlineSeconds: Kubernetes stops a stage that runs past its limit.
     kubernetes.set_timeout(task, cfg.pipeline.stage_timeout_s)
     for secret in STAGE_SECRETS:

@@ -18,7 +18,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
 from components import STAGE_IMAGES, image_ref
 from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS
-from pipelines.shardrl import compile_pipelines
+from pipelines.shardrl import CACHE_DIR, compile_pipelines
 from shardrl import __version__
 from shardrl.commands import pipeline_cmd
 from shardrl.config import load_config
@@ -37,7 +37,12 @@ OVERRIDES = [
     "pipeline.stage_timeout_s=7200",
     "pipeline.resources.rollout={cpu: '4', memory: 16Gi, gpus: 1}",
     "pipeline.resources.learn={cpu: '8', memory: 32Gi, gpus: 2, gpu_type: nvidia.com/gpu}",
+    "pipeline.pod.shm_size=16Gi",
+    "pipeline.pod.image_pull_secrets=[regcred]",
+    "pipeline.pod.gpu_node_selector={pool: a100}",
 ]
+GPU_STAGES = {"rollout", "learn"}
+"""The stages OVERRIDES gives GPUs."""
 
 
 def param(name: str) -> str:
@@ -197,8 +202,10 @@ def test_resources_retries_timeout_caching_and_secrets(compiled):
             assert t.task.caching_options.enable_cache is False
             retry = t.task.retry_policy
             assert retry.max_retry_count == 2
+            # Argo counts maxDuration from the first attempt's start: it must hold three
+            # attempts of the whole stage timeout (7200 s) and the delays 30 + 60 + 120 s.
             assert (retry.backoff_duration.seconds, retry.backoff_factor,
-                    retry.backoff_max_duration.seconds) == (30, 2.0, 3600)
+                    retry.backoff_max_duration.seconds) == (30, 2.0, 3 * 7200 + 210)
             assert t.k8s.active_deadline_seconds == 7200
             secrets = [(s.secret_name, {k.secret_key: k.env_var for k in s.key_to_env},
                         s.optional) for s in t.k8s.secret_as_env]
@@ -206,6 +213,46 @@ def test_resources_retries_timeout_caching_and_secrets(compiled):
     learn = pipelines["shardrl"][1]["learn"].container.resources
     assert (learn.resource_cpu_limit, learn.resource_memory_limit) == ("8", "32Gi")
     assert learn.accelerator.resource_count == "2"
+
+
+def test_pods_get_shm_placement_pull_secrets_and_a_cache_volume(compiled):
+    cfg, pipelines = compiled
+    assert {n for n in STAGE_NAMES if getattr(cfg.pipeline.resources, n).gpus} == GPU_STAGES
+    for _, tasks in pipelines.values():
+        for stage_name, t in tasks.items():
+            k8s = t.k8s
+            assert [s.secret_name for s in k8s.image_pull_secret] == ["regcred"]
+            mounts = {m.mount_path: m for m in k8s.empty_dir_mounts}
+            cache = mounts.pop(CACHE_DIR)
+            assert (cache.size_limit, cache.HasField("medium")) == ("20Gi", False)
+            assert not k8s.generic_ephemeral_volume
+            if stage_name in GPU_STAGES:
+                shm = mounts.pop("/dev/shm")
+                assert (shm.medium, shm.size_limit) == ("Memory", "16Gi")
+                assert dict(k8s.node_selector.labels) == {"pool": "a100"}
+                assert [(x.key, x.operator, x.effect) for x in k8s.tolerations] == [
+                    ("nvidia.com/gpu", "Exists", "NoSchedule")]
+            else:
+                assert not k8s.HasField("node_selector") and not k8s.tolerations
+            assert mounts == {}, stage_name
+
+
+def test_cache_volume_with_a_storage_class_is_a_generic_ephemeral_volume(tmp_path):
+    cfg = load_config("demo", ["pipeline.pod.cache_storage_class=fast-ssd",
+                               "pipeline.pod.cache_size=50Gi"])
+    _, tasks = load_compiled(compile_pipelines(cfg, tmp_path, registry=REGISTRY)["shardrl"])
+    for t in tasks.values():
+        (vol,) = t.k8s.generic_ephemeral_volume
+        assert (vol.mount_path, vol.size, vol.storage_class_name, list(vol.access_modes)) == \
+            (CACHE_DIR, "50Gi", "fast-ssd", ["ReadWriteOnce"])
+        assert not t.k8s.empty_dir_mounts and not t.k8s.image_pull_secret
+
+
+def test_cache_volume_sits_at_the_images_cache_folder():
+    for spec in STAGE_IMAGES.values():
+        env = (ROOT / spec.dockerfile).read_text()
+        assert "HOME=/home/shardrl" in env, spec.dockerfile
+    assert CACHE_DIR == "/home/shardrl/.cache/shardrl"  # StageContext.cache_dir()'s default
 
 
 def _deps(t: StageTask) -> set[str]:

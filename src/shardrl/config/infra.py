@@ -43,6 +43,10 @@ class TrackingConfig(Section):
     """Experiment name."""
 
 
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"
+"""A Kubernetes byte quantity, e.g. '8Gi'."""
+
+
 class Resources(Section):
     """Kubernetes resources of one stage's pod."""
 
@@ -53,7 +57,7 @@ class Resources(Section):
 
     cpu: str = Field("1", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
     """CPU request/limit, e.g. '2' or '500m'."""
-    memory: str = Field("4Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+    memory: str = Field("4Gi", pattern=QUANTITY)
     """Memory request/limit, e.g. '8Gi'."""
     gpus: int = Field(0, ge=0, le=64)
     """GPUs per pod."""
@@ -107,6 +111,49 @@ class LocalConfig(Section):
         return value
 
 
+class Toleration(Section):
+    """One Kubernetes toleration of the GPU tasks' pods."""
+
+    key: str | None = None
+    """Taint key; empty with operator Exists tolerates every taint."""
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    """Taint value (Equal only)."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match (None: every effect)."""
+
+    @model_validator(mode="after")
+    def _value_with_equal(self) -> Toleration:
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("a toleration with operator Exists takes no value")
+        if self.operator == "Equal" and self.key is None:
+            raise ValueError("a toleration with operator Equal needs a key")
+        return self
+
+
+class PodConfig(Section):
+    """What the Kubeflow tasks' pods get besides CPU, memory and GPUs (compiled in)."""
+
+    shm_size: str = Field("2Gi", pattern=QUANTITY)
+    """/dev/shm of GPU tasks: a memory-backed emptyDir of this size, since NCCL and vLLM need
+    more than the container runtime's 64 MiB. Pages written there count against the pod's
+    memory limit."""
+    gpu_node_selector: dict[str, str] = {}
+    """Node labels a GPU task's pod must match, e.g. `{cloud.google.com/gke-accelerator:
+    nvidia-l4}`."""
+    gpu_tolerations: list[Toleration] = [
+        Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
+    """Tolerations of GPU tasks' pods (GPU node pools are usually tainted)."""
+    image_pull_secrets: list[str] = []
+    """Secrets (in the run's namespace) to pull the stage images with, for a private registry."""
+    cache_size: str = Field("20Gi", pattern=QUANTITY)
+    """Room for the model files a stage caches (a volume at its cache folder): an emptyDir of
+    this size limit, or with `cache_storage_class` a generic ephemeral volume of this size,
+    which is provisioned before the pod starts."""
+    cache_storage_class: str | None = None
+    """Storage class of the cache volume (None: an emptyDir on the node's disk)."""
+
+
 class PipelineConfig(Section):
     """How the stages are run (local runner and Kubeflow)."""
 
@@ -121,6 +168,8 @@ class PipelineConfig(Section):
     """Registry of the stage images (tags come from the package version)."""
     resources: StageResources = StageResources()
     """Per-stage resources on the cluster."""
+    pod: PodConfig = PodConfig()
+    """Shared memory, GPU node placement, pull secrets and the cache volume of the pods."""
 
 
 class DoctorConfig(Section):
