@@ -19,8 +19,8 @@ help:
 	@echo "make bench             benchmarks -> bench/results.json, bench/RESULTS.md"
 	@echo "make models            import SmolLM2-135M-Instruct (GGUF) into models/smollm2-135m-instruct/"
 	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
-	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset"
-	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY"
+	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset (REQUIRE_CLUSTER=1: fail)"
+	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY, tagged VERSION-gREV"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,7 +79,8 @@ clean:
 # ---- Kubeflow ----------------------------------------------------------------------------
 # make pipeline-compile [CONFIG=...] [K8S_MANIFEST=1] [IMAGE_REGISTRY=...] [IMAGE_TAG=...]
 # [KFP_HOST=...] make pipeline-run [CONFIG=...] [WAIT=1] [PIPELINE=shardrl-sync] [EXPERIMENT=...]
-# make images [IMAGE_REGISTRY=...] [IMAGE_TAG=...]   (tags default to the package version)
+#   [IMAGE_REGISTRY=...] [IMAGE_TAG=...] [REQUIRE_CLUSTER=1]
+# make images [IMAGE_REGISTRY=...] [IMAGE_TAG=...]   (tags default to VERSION-gREV)
 PIPELINE_DIR   ?= build/pipelines
 PIPELINE       ?= shardrl
 EXPERIMENT     ?= shardrl
@@ -93,12 +94,23 @@ pipeline-compile: $(STAMP)
 
 pipeline-run: $(STAMP)
 	$(VENV)/bin/shardrl pipeline run $(CONFIG) --pipeline $(PIPELINE) --experiment $(EXPERIMENT) \
-		$(if $(filter 1,$(WAIT)),--wait)
+		$(IMAGE_FLAGS) $(if $(filter 1,$(WAIT)),--wait) \
+		$(if $(filter 1,$(REQUIRE_CLUSTER)),--require-cluster)
 
+# Each image is pushed as VERSION-gREV (a rebuild of another revision never replaces it); from
+# a clean tree the release tag VERSION is pushed too, only when the registry does not have it.
 images: $(STAMP)
 	@command -v docker >/dev/null || { echo "make images needs docker"; exit 1; }
-	@refs="$$($(PY) -m components $(subst --image-,--,$(IMAGE_FLAGS)))" || exit 1; \
-	echo "$$refs" | while read -r ref dockerfile; do \
+	@rev="$$($(PY) -m components --revision)"; \
+	refs="$$($(PY) -m components $(subst --image-,--,$(IMAGE_FLAGS)))" || exit 1; \
+	echo "$$refs" | while read -r ref dockerfile release; do \
 		echo "building $$ref from $$dockerfile"; \
-		docker build -f "$$dockerfile" -t "$$ref" . && docker push "$$ref" || exit 1; \
+		docker build --build-arg SHARDRL_GIT_REVISION="$$rev" -f "$$dockerfile" -t "$$ref" . \
+			&& docker push "$$ref" || exit 1; \
+		[ "$$release" = "-" ] && continue; \
+		if docker manifest inspect "$$release" >/dev/null 2>&1; then \
+			echo "$$release exists: the release tag is never overwritten"; \
+		else \
+			docker tag "$$ref" "$$release" && docker push "$$release" || exit 1; \
+		fi; \
 	done

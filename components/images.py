@@ -1,10 +1,23 @@
-"""Image names, defined once; tags come from the package version (never `:latest`).
+"""Image names, defined once; tags carry the package version and the source revision.
 
-`python -m components [--registry R] [--tag T]` prints `REF DOCKERFILE` lines for `make images`.
+A build is tagged `VERSION-gREV` (REV: the git commit, `-dirty` with uncommitted changes), so a
+rebuild never replaces another revision's image; the plain `VERSION` tag is the release, pushed
+once from a clean tree and never overwritten. Pipelines compiled from a checkout refer to the
+`VERSION-gREV` images of that checkout; inside an image the revision comes from
+`SHARDRL_GIT_REVISION`, set at build time. Never `:latest`.
+
+`python -m components [--registry R] [--tag T]` prints `REF DOCKERFILE RELEASE` lines for
+`make images` (RELEASE: the release ref to push if it does not exist yet, or `-`);
+`python -m components --revision` prints the revision.
 """
 
 import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardrl import __version__
 from shardrl.config.infra import PipelineConfig
@@ -33,8 +46,36 @@ SERVICE_IMAGES: dict[str, ImageSpec] = {
 """Images of the cluster services in `manifests/`."""
 
 
+ROOT = Path(__file__).resolve().parents[1]
+REVISION_ENV = "SHARDRL_GIT_REVISION"
+"""The source revision baked into the images (`--build-arg SHARDRL_GIT_REVISION=...`)."""
+
+
+def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str | None:
+    """The source revision: `SHARDRL_GIT_REVISION`, else the checkout's short commit id with
+    `-dirty` when tracked files differ from it; None outside a checkout."""
+    env = os.environ if env is None else env
+    if env.get(REVISION_ENV):
+        return env[REVISION_ENV]
+    try:
+        cwd = cwd or ROOT
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=cwd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "") if head else None
+
+
+def build_tag(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str:
+    """`VERSION-gREV`, or the release tag `VERSION` when the revision is unknown."""
+    rev = revision(env, cwd)
+    return f"{__version__}-g{rev}" if rev else __version__
+
+
 def image_ref(spec: ImageSpec, registry: str, tag: str | None = None) -> str:
-    """`registry/name:tag`, the tag defaulting to the package version."""
+    """`registry/name:tag`, the tag defaulting to the release tag (the package version)."""
     tag = tag or __version__
     if tag == "latest":
         raise ValueError("image tag 'latest' is not reproducible: use the package version")
@@ -44,12 +85,25 @@ def image_ref(spec: ImageSpec, registry: str, tag: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print `REF DOCKERFILE` for every image (stage images first)."""
+    """Print `REF DOCKERFILE RELEASE` for every image (stage images first)."""
     parser = argparse.ArgumentParser(prog="python -m components")
     parser.add_argument("--registry", default=PipelineConfig().image_registry,
                         help="default: the config's pipeline.image_registry default")
-    parser.add_argument("--tag", default=None, help="default: the package version")
+    parser.add_argument("--tag", default=None, help="default: VERSION-gREV of this checkout")
+    parser.add_argument("--revision", action="store_true", help="print the revision and exit")
     args = parser.parse_args(argv)
+    rev = revision()
+    if args.revision:
+        print(rev or "")
+        return 0
+    if args.tag is None and rev is None:
+        print("cannot tell the source revision (not a git checkout, SHARDRL_GIT_REVISION "
+              "unset): pass --tag (IMAGE_TAG=...) rather than overwrite the release tag",
+              file=sys.stderr)
+        return 2
+    tag = args.tag or build_tag()
+    clean = args.tag is None and not rev.endswith("-dirty")
     for spec in (*STAGE_IMAGES.values(), *SERVICE_IMAGES.values()):
-        print(image_ref(spec, args.registry, args.tag), spec.dockerfile)
+        release = image_ref(spec, args.registry) if clean else "-"
+        print(image_ref(spec, args.registry, tag), spec.dockerfile, release)
     return 0

@@ -32,6 +32,10 @@ RUN python /tmp/build/requirements.py /tmp/build/pyproject.toml vllm > /tmp/buil
     && rm -rf /tmp/build
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels
+# The source revision the image was built from (`make images` passes it): pipelines compiled
+# inside the image refer to the images of this same revision.
+ARG SHARDRL_GIT_REVISION=""
+ENV SHARDRL_GIT_REVISION=${SHARDRL_GIT_REVISION}
 USER 1000:1000
 WORKDIR /home/shardrl
 CMD ["shardrl", "--help"]

@@ -25,8 +25,7 @@ from kfp import compiler, dsl, kubernetes
 from kfp.compiler.compiler_utils import KubernetesManifestOptions
 from kfp.dsl.base_component import BaseComponent
 
-from components import STAGE_IMAGES, image_ref, stage_component
-from shardrl import __version__
+from components import STAGE_IMAGES, build_tag, image_ref, stage_component
 from shardrl.config import RunConfig, load_config
 from shardrl.graph import StageSpec, active
 
@@ -71,8 +70,8 @@ def sync_rounds(cfg: RunConfig) -> int:
 
 
 def stage_image(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None = None) -> str:
-    """The image reference that runs `spec` under `cfg`."""
-    return image_ref(STAGE_IMAGES[spec.image(cfg)], registry, tag)
+    """The image reference that runs `spec` under `cfg` (`tag` defaults to `build_tag()`)."""
+    return image_ref(STAGE_IMAGES[spec.image(cfg)], registry, tag or build_tag())
 
 
 def retry_window_s(cfg: RunConfig) -> int:
@@ -188,12 +187,14 @@ def build_pipeline(name: str, cfg: RunConfig, *, registry: str | None = None,
                    tag: str | None = None, config_default: str | None = None) -> BaseComponent:
     """The pipeline `name` (one of PIPELINE_NAMES) for `cfg`.
 
-    `registry` defaults to `cfg.pipeline.image_registry`, `tag` to the package version and
-    `config_default` (the `config` parameter's default) to the resolved config as YAML.
+    `registry` defaults to `cfg.pipeline.image_registry`, `tag` to `VERSION-gREV` of this
+    checkout (`components.build_tag`) and `config_default` (the `config` parameter's default)
+    to the resolved config as YAML.
     """
     if name not in PIPELINE_NAMES:
         raise ValueError(f"unknown pipeline '{name}'; pipelines: {', '.join(PIPELINE_NAMES)}")
     registry = registry or cfg.pipeline.image_registry
+    tag = tag or build_tag()
     body = _async_body if name == "shardrl" else _sync_body
 
     def pipeline(config: str = config_default or config_text(cfg),
@@ -213,6 +214,7 @@ def compile_pipelines(cfg: RunConfig, out_dir: str | Path, *, registry: str | No
     also `out_dir/<name>.k8s.yaml` (Pipeline and PipelineVersion resources)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tag = tag or build_tag()
     paths: dict[str, Path] = {}
     for name in names:
         func = build_pipeline(name, cfg, registry=registry, tag=tag,
@@ -221,7 +223,7 @@ def compile_pipelines(cfg: RunConfig, out_dir: str | Path, *, registry: str | No
         compiler.Compiler().compile(func, str(paths[name]))
         _comment_out_default(paths[name], config_default or config_text(cfg))
         if kubernetes_manifest_format:
-            version = f"{name}-v{(tag or __version__).replace('.', '-')}".lower()
+            version = f"{name}-v{tag.replace('.', '-')}".lower()
             options = KubernetesManifestOptions(pipeline_version_name=version,
                                                 include_pipeline_manifest=True)
             compiler.Compiler().compile(func, str(out / f"{name}.k8s.yaml"),

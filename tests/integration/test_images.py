@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from components import SERVICE_IMAGES, STAGE_IMAGES
+from components import SERVICE_IMAGES, STAGE_IMAGES, build_tag, revision
+from components.images import main as images_main
+from shardrl import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = {spec.name: ROOT / spec.dockerfile
@@ -133,3 +135,69 @@ def test_vllm_image_has_a_c_compiler():
     """Triton compiles its launcher with `cc` when vLLM first loads a model."""
     runs = [arg for op, arg in instructions(DOCKERFILES["shardrl-rollout-vllm"]) if op == "RUN"]
     assert any("apt-get install" in r and " gcc " in f"{r} " and "libc6-dev" in r for r in runs)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                          cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_tags_carry_the_version_and_the_revision(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert revision({}, repo) is None and build_tag({}, repo) == __version__  # not a checkout
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("1")
+    _git(repo, "add", "a.txt")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "--short=12", "HEAD")
+    assert build_tag({}, repo) == f"{__version__}-g{head}"
+    (repo / "b.txt").write_text("untracked files do not count")
+    assert revision({}, repo) == head
+    (repo / "a.txt").write_text("2")
+    assert build_tag({}, repo) == f"{__version__}-g{head}-dirty"
+    # inside an image: the revision baked in at build time
+    assert build_tag({"SHARDRL_GIT_REVISION": "abc"}, repo) == f"{__version__}-gabc"
+
+
+def _lines(capsys) -> list[list[str]]:
+    return [line.split() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_make_images_refs(monkeypatch, capsys):
+    monkeypatch.setenv("SHARDRL_GIT_REVISION", "abc123")
+    assert images_main(["--registry", "reg.test/x"]) == 0
+    lines = _lines(capsys)
+    assert [dockerfile for _, dockerfile, _ in lines] == [
+        s.dockerfile for s in (*STAGE_IMAGES.values(), *SERVICE_IMAGES.values())]
+    ref, _, release = lines[0]
+    # the build tag, and the release tag to push once (never over an existing one)
+    assert (ref, release) == (f"reg.test/x/shardrl:{__version__}-gabc123",
+                              f"reg.test/x/shardrl:{__version__}")
+    # a dirty tree or an explicit tag never pushes the release tag
+    monkeypatch.setenv("SHARDRL_GIT_REVISION", "abc123-dirty")
+    assert images_main(["--registry", "reg.test/x"]) == 0
+    assert {release for *_, release in _lines(capsys)} == {"-"}
+    assert images_main(["--registry", "reg.test/x", "--tag", "exp1"]) == 0
+    assert {(ref.rsplit(":", 1)[1], release) for ref, _, release in _lines(capsys)} == \
+        {("exp1", "-")}
+    assert images_main(["--revision"]) == 0
+    assert _lines(capsys) == [["abc123-dirty"]]
+
+
+def test_make_images_refuses_to_guess_a_tag(monkeypatch, capsys, tmp_path):
+    import components.images as images
+
+    monkeypatch.delenv("SHARDRL_GIT_REVISION", raising=False)
+
+    monkeypatch.setattr(images, "ROOT", tmp_path)  # not a checkout
+    assert images_main([]) == 2
+    assert "pass --tag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_stage_images_know_their_revision(name):
+    ops = instructions(DOCKERFILES[name])
+    assert ("ARG", 'SHARDRL_GIT_REVISION=""') in ops
+    assert ("ENV", "SHARDRL_GIT_REVISION=${SHARDRL_GIT_REVISION}") in ops
+

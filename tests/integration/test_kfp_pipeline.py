@@ -16,7 +16,7 @@ from kfp import dsl
 from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
-from components import STAGE_IMAGES, image_ref
+from components import STAGE_IMAGES, build_tag, image_ref
 from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS
 from pipelines.shardrl import CACHE_DIR, compile_pipelines
 from shardrl import __version__
@@ -112,7 +112,7 @@ def test_every_stage_runs_its_graph_entrypoint_in_its_image(compiled):
                                   once=name == "shardrl-sync" and spec.loops)
             assert list(t.container.command) == expected, (name, stage_name)
             assert list(t.container.args) == []
-            assert t.container.image == image_ref(STAGE_IMAGES[spec.image(cfg)], REGISTRY)
+            assert t.container.image == image_ref(STAGE_IMAGES[spec.image(cfg)], REGISTRY, build_tag())
             inputs = t.task.inputs.parameters
             assert inputs["run_id"].runtime_value.constant.string_value == \
                 dsl.PIPELINE_JOB_ID_PLACEHOLDER
@@ -128,7 +128,7 @@ def test_multi_rank_learner_runs_under_torchrun(tmp_path):
     command = list(tasks["learn"].container.command)
     assert command[:6] == ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "shardrl.cli",
                            "stage"]
-    assert tasks["learn"].container.image == image_ref(STAGE_IMAGES["deepspeed"], REGISTRY)
+    assert tasks["learn"].container.image == image_ref(STAGE_IMAGES["deepspeed"], REGISTRY, build_tag())
     assert tasks["learn"].container.resources.accelerator.resource_count == "2"
     assert list(tasks["rollout"].container.command)[0] == "shardrl"
 
@@ -152,7 +152,7 @@ def test_vllm_config_runs_every_engine_stage_in_the_vllm_image(tmp_path):
                                "pipeline.resources.rollout.gpus=1",
                                "pipeline.resources.evaluate.gpus=1"])
     paths = compile_pipelines(cfg, tmp_path, registry=REGISTRY)
-    vllm_image = image_ref(STAGE_IMAGES["vllm"], REGISTRY)
+    vllm_image = image_ref(STAGE_IMAGES["vllm"], REGISTRY, build_tag())
     needs_vllm = {name for name in STAGE_NAMES if builds_engine(stage(name).module)}
     assert needs_vllm == {"rollout", "evaluate"}
     for name, path in paths.items():
@@ -174,9 +174,12 @@ def test_hand_written_commands_and_images(compiled):
     assert list(tasks["rollout"].container.command) == [
         "shardrl", "stage", "rollout", "--config", param("config"), "--run-id", param("run_id"),
         "--store", param("store"), "--worker", param("worker"), "--workers", "3"]
-    assert tasks["rollout"].container.image == f"{REGISTRY}/shardrl:{__version__}"
+    # images of this checkout's revision: VERSION-gREV
+    tag = build_tag()
+    assert tag.startswith(f"{__version__}-g") and tag != __version__
+    assert tasks["rollout"].container.image == f"{REGISTRY}/shardrl:{tag}"
     # learn: DeepSpeed backend -> the DeepSpeed learner image
-    assert tasks["learn"].container.image == f"{REGISTRY}/shardrl-learner-deepspeed:{__version__}"
+    assert tasks["learn"].container.image == f"{REGISTRY}/shardrl-learner-deepspeed:{tag}"
     sync = pipelines["shardrl-sync"][1]
     assert list(sync["learn"].container.command)[-1] == "--once"
     assert "--once" not in list(sync["promote"].container.command)
@@ -358,6 +361,6 @@ def test_make_pipeline_compile_uses_the_given_config(tmp_path):
     assert len(list(out.glob("*.yaml"))) == 4
     spec, tasks = load_compiled(out / "shardrl.yaml")
     assert tasks["rollout"].loops[0].iterator_policy.parallelism_limit == 2
-    assert tasks["rollout"].container.image == f"reg.test/x/shardrl:{__version__}"
+    assert tasks["rollout"].container.image == f"reg.test/x/shardrl:{build_tag()}"
     default = spec.root.input_definitions.parameters["config"].default_value.string_value
     assert yaml.safe_load(default)["name"] == "mine"

@@ -142,7 +142,8 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     # -o: treat the venv stamp as up to date, so make does not reinstall the package
     proc = subprocess.run(
         ["make", "-s", "-o", ".venv/.installed", "pipeline-run", "CONFIG=configs/demo.yaml",
-         "WAIT=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+         "WAIT=1", "IMAGE_REGISTRY=reg.test/team", "IMAGE_TAG=0.9.0-gfeed"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     # Health check, pipeline lookup, upload, first version, experiment, run, polling.
@@ -159,6 +160,10 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     assert upload.query["name"] == ["shardrl"]
     spec = next(yaml.safe_load_all(upload.uploaded_file()))
     assert spec["pipelineInfo"]["name"] == "shardrl"
+    # IMAGE_REGISTRY and IMAGE_TAG reach the compiled package
+    images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
+    assert images and all(i.startswith("reg.test/team/") and i.endswith(":0.9.0-gfeed")
+                          for i in images), images
 
     expected_config = config_text(load_config(ROOT / "configs/demo.yaml"))
     assert state.one("POST", f"{API}/experiments").json()["display_name"] == "shardrl"
@@ -225,8 +230,9 @@ def test_resubmitting_the_same_config_reuses_its_version(kfp_api, monkeypatch):
     assert run["pipeline_version_reference"]["pipeline_version_id"] == "pv-1"
 
 
-def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch):
+def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch, capsys):
     monkeypatch.delenv("KFP_HOST", raising=False)
+    monkeypatch.delenv("REQUIRE_CLUSTER", raising=False)
     calls = []
 
     def fake_run(cmd, check):
@@ -236,3 +242,23 @@ def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert cli_main(["pipeline", "run", "configs/demo.yaml"]) == 3  # the runner's exit code
     assert calls == [[sys.executable, "-m", "shardrl.cli", "run", "configs/demo.yaml"]]
+    assert "running the pipeline locally" in capsys.readouterr().err
+    # REQUIRE_CLUSTER=1 (or --require-cluster): no local run, an error
+    calls.clear()
+    monkeypatch.setenv("REQUIRE_CLUSTER", "1")
+    assert cli_main(["pipeline", "run", "configs/demo.yaml"]) == 2
+    monkeypatch.delenv("REQUIRE_CLUSTER")
+    assert cli_main(["pipeline", "run", "configs/demo.yaml", "--require-cluster"]) == 2
+    assert calls == []
+    assert "a cluster is required" in capsys.readouterr().err
+
+
+def test_make_pipeline_run_with_require_cluster_fails_without_kfp_host(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("KFP_HOST", "REQUIRE_CLUSTER")}
+    proc = subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", "pipeline-run", "CONFIG=configs/demo.yaml",
+         "REQUIRE_CLUSTER=1"], cwd=ROOT, env={**env, "HOME": str(tmp_path)},
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "KFP_HOST is not set and a cluster is required" in proc.stderr
+    assert "running the pipeline locally" not in proc.stderr

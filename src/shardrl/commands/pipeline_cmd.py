@@ -1,7 +1,9 @@
 """`shardrl pipeline compile|run`: the Kubeflow pipelines from the command line.
 
-`run` submits to the Kubeflow Pipelines API at KFP_HOST; without KFP_HOST it runs the same
-stage graph locally with `shardrl run CONFIG`, so `make pipeline-run` works in any CI.
+`run` submits to the Kubeflow Pipelines API at KFP_HOST; without KFP_HOST it says so and runs
+the same stage graph locally with `shardrl run CONFIG`, so `make pipeline-run` works in any CI.
+With `--require-cluster` (or REQUIRE_CLUSTER=1) a missing KFP_HOST is an error instead, so a CI
+job that forgot it cannot pass without a cluster.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ def _compile(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     host = env.get("KFP_HOST")
     if not host:
-        print("KFP_HOST is not set: running the pipeline locally with `shardrl run`",
-              file=sys.stderr)
+        if getattr(args, "require_cluster", False) or env.get("REQUIRE_CLUSTER") == "1":
+            print("KFP_HOST is not set and a cluster is required (REQUIRE_CLUSTER=1): "
+                  "nothing was submitted", file=sys.stderr)
+            return 2
+        print("KFP_HOST is not set: running the pipeline locally with `shardrl run`, not on a "
+              "cluster (set KFP_HOST to submit; REQUIRE_CLUSTER=1 fails instead)",
+              file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "shardrl.cli", "run", args.config]
         return subprocess.run(cmd, check=False).returncode
 
@@ -56,7 +63,9 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     text = config_text(cfg)
     store = cfg.store.uri if cfg.store.uri.startswith("s3://") else DEFAULT_STORE
     with tempfile.TemporaryDirectory() as tmp:
-        package = compile_pipelines(cfg, tmp, config_default=text, names=(args.pipeline,))
+        package = compile_pipelines(cfg, tmp, config_default=text, names=(args.pipeline,),
+                                    registry=getattr(args, "image_registry", None),
+                                    tag=getattr(args, "image_tag", None))
         result = submit(
             package[args.pipeline], host=host, pipeline=args.pipeline,
             description=f"ShardRL pipeline '{args.pipeline}'", experiment=args.experiment,
