@@ -61,12 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--kubernetes-manifest-format", action="store_true",
                       help="also write Kubernetes-manifest form")
     comp.add_argument("--image-registry", help="override the image registry")
-    comp.add_argument("--image-tag", help="override the image tag (default: package version)")
+    comp.add_argument("--image-tag", help="override the image tag (default: VERSION-gREV)")
     sub_run = pl_sub.add_parser("run", help="submit to KFP_HOST, or run locally when it is unset")
     sub_run.add_argument("config", help="config file or preset name")
     sub_run.add_argument("--experiment", default="shardrl")
     sub_run.add_argument("--pipeline", default="shardrl", choices=("shardrl", "shardrl-sync"))
     sub_run.add_argument("--wait", action="store_true", help="wait and fail if the run fails")
+    sub_run.add_argument("--image-registry", help="override the image registry")
+    sub_run.add_argument("--image-tag", help="override the image tag (default: VERSION-gREV)")
+    sub_run.add_argument("--require-cluster", action="store_true",
+                         help="fail when KFP_HOST is unset instead of running locally "
+                              "(also REQUIRE_CLUSTER=1)")
 
     mdl = sub.add_parser("model", help="prepare model folders for `model.source`")
     mdl_sub = mdl.add_subparsers(dest="action", required=True, metavar="ACTION")
