@@ -81,17 +81,63 @@ def test_champion_moves_only_when_beaten_by_the_margin(registry):
     assert _aliases(tmp) == {"champion": "3", "challenger": "3", "previous-champion": "1"}
 
 
-def test_registered_version_carries_tags_and_a_loadable_model(registry):
+def _client(tmp: Path):
     from mlflow.tracking import MlflowClient
 
-    tmp = registry[0]
     uri = f"sqlite:///{tmp}/mlflow.db"
-    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    mv = c.get_model_version("promo-test", "1")
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(registry):
+    import mlflow
+    import torch
+
+    from shardrl.models.io import load_causal_lm, load_tokenizer
+
+    tmp, _, store = registry
+    mv = _client(tmp).get_model_version("promo-test", "1")
     assert mv.tags["shardrl.run_id"] == "run-a"
     assert mv.tags["shardrl.policy_version"] == "5"
     assert float(mv.tags["eval.pass_at_1"]) == 0.5
     assert len(mv.tags["shardrl.config_hash"]) == 12
-    local = Path(mv.source.replace("file://", ""))
-    assert (local / "model.safetensors").exists() and (local / "config.json").exists()
-    assert not list(local.glob("*.bin"))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/promo-test/{mv.version}",
+                                                     dst_path=str(tmp / "download")))
+    assert "transformers" in (local / "MLmodel").read_text()
+    assert list(local.rglob("*.safetensors")) and not list(local.rglob("*.bin"))
+
+    # the pipeline holds exactly the promoted weights (v5 is a copy of v0 here) and generates
+    # what the project's own loader generates from them
+    ours = store / "runs" / "run-a" / "policy" / "v000000"
+    model, tokenizer = load_causal_lm(ours), load_tokenizer(ours)
+    pipe = mlflow.transformers.load_model("models:/promo-test@champion")
+    theirs = pipe.model.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(theirs[key], value), key
+    prompt = "12+30="
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = tokenizer.decode(model.generate(ids, max_new_tokens=4, do_sample=False)[0],
+                                skip_special_tokens=True)
+    out = pipe(prompt, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert out == expected
+
+    # and as a pyfunc model, with its generation parameters in the signature
+    pyfunc = mlflow.pyfunc.load_model(f"models:/promo-test/{mv.version}")
+    (text,) = pyfunc.predict([prompt], params={"max_new_tokens": 4, "do_sample": False})
+    assert text == expected
+
+
+def test_a_retried_promote_reuses_its_version(registry):
+    tmp, cfg, store = registry
+    c = _client(tmp)
+    before = sorted(int(v.version) for v in c.search_model_versions("name = 'promo-test'"))
+    aliases = _aliases(tmp)
+    first = json.loads((store / "runs" / "run-c" / "state" / "promote" / "result.json").read_text())
+    _stage("promote", cfg, store, "run-c", tmp)  # as a retry of run-c's promote would
+    again = json.loads((store / "runs" / "run-c" / "state" / "promote" / "result.json").read_text())
+    assert again == first and again["champion"]
+    assert sorted(int(v.version) for v in c.search_model_versions("name = 'promo-test'")) == before
+    assert _aliases(tmp) == aliases
+    run_c = [v for v in c.search_model_versions("name = 'promo-test'")
+             if v.tags["shardrl.run_id"] == "run-c"]
+    assert len(run_c) == 1

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..tracking.mlflow_run import client, find_or_create_run
+from ..tracking.mlflow_run import RUN_TAG, client, find_or_create_run
+from ..tracking.registry import POLICY_VERSION_TAG, find_version, log_policy
 from .context import StageContext
 from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
@@ -46,34 +47,43 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
 
 
 def register(ctx: StageContext, version: int, metric: float, summary: dict) -> dict:
+    """Register policy `version` (once per run and version: a retry reuses the version an
+    earlier attempt registered) and move the aliases."""
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
     c = client(cfg)
     run = find_or_create_run(cfg, ctx.run_id, c)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = _assemble(ctx, version, Path(tmp) / "model")
-        path = f"policy-v{version:06d}"
-        c.log_artifacts(run, str(folder), artifact_path=path)
-    source = f"{c.get_run(run).info.artifact_uri}/{path}"
     try:
         c.get_registered_model(name)
     except Exception:
         c.create_registered_model(name, description="ShardRL policies")
-    tags = {"shardrl.run_id": ctx.run_id, "shardrl.policy_version": str(version),
-            "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
-    tags.update({f"eval.{k}": str(v) for k, v in summary.items() if isinstance(v, float)})
-    mv = c.create_model_version(name, source=source, run_id=run, tags=tags)
+    mv = find_version(c, name, ctx.run_id, version)
+    if mv is None:
+        tags = {RUN_TAG: ctx.run_id, POLICY_VERSION_TAG: str(version),
+                "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
+        tags.update({f"eval.{k}": str(v) for k, v in summary.items() if isinstance(v, float)})
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = _assemble(ctx, version, Path(tmp) / "model")
+            info = log_policy(c, c.get_run(run).info.experiment_id, run, folder,
+                              f"policy-v{version:06d}", tags)
+        mv = c.create_model_version(name, source=info.model_uri, run_id=run, tags=tags,
+                                    model_id=info.model_id)
+    else:
+        ctx.log.info("promote: %s version %s already holds policy v%d of this run; reusing it",
+                     name, mv.version, version)
     c.set_registered_model_alias(name, "challenger", mv.version)
     champion = _alias(c, name, "champion")
     promoted = False
-    if champion is None or metric > float(champion.tags.get(f"eval.{cfg.promote.metric}", "-inf")) + margin:
+    if champion is not None and champion.version == mv.version:
+        promoted = True  # an earlier attempt made it champion
+    elif champion is None or metric > float(champion.tags.get(f"eval.{cfg.promote.metric}", "-inf")) + margin:
         if champion is not None:
             c.set_registered_model_alias(name, "previous-champion", champion.version)
         c.set_registered_model_alias(name, "champion", mv.version)
         promoted = True
     c.set_tag(run, "shardrl.registered_version", mv.version)
     return {"model_name": name, "model_version": mv.version, "champion": promoted,
-            "mlflow_run_id": run, "source": source}
+            "mlflow_run_id": run, "source": mv.source}
 
 
 def _alias(c, name: str, alias: str):
