@@ -231,9 +231,10 @@ def learn_bare(cfg, folder: Path, tables: list[pa.Table]) -> dict:
 
 def max_weight_diff(bare: dict, store_dir: Path, version: int) -> float:
     """Largest |bare - stage| over the weights of the stage's published `version`."""
-    from safetensors.torch import load_file
+    from shardrl.stages.policy import fetch_weights
+    from shardrl.store import LocalStore
 
-    published = load_file(str(store_dir / KEYS.policy_file(version, "model.safetensors")))
+    published = fetch_weights(LocalStore(str(store_dir)), KEYS, version)
     return max(float((bare[k] - v).abs().max()) for k, v in published.items())
 
 

@@ -20,7 +20,7 @@ task:
   source: {kind: builtin, heldout_size: 16}
 rollout: {prompts_per_shard: 2, group_size: 4, max_new_tokens: 5, poll_interval_s: 0.05}
 learner: {total_steps: 6, batch_prompts: 2, max_staleness: 2, warmup_steps: 1, ckpt_every: 1,
-          poll_interval_s: 0.05}
+          poll_interval_s: 0.05, publish: {full_every: 4}}
 eval: {every: 3}
 # an untrained model rarely has a group with mixed rewards: keep every group so steps happen
 algo: {filters: {zero_variance: false}}

@@ -88,6 +88,18 @@ class DeepSpeedBackend(Section):
 LearnerBackend = Annotated[TorchBackend | DeepSpeedBackend, Field(discriminator="kind")]
 
 
+class PublishConfig(Section):
+    """How the learner publishes policy versions for rollout and evaluation."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the published weights, which rollout workers and evaluation load; `auto` is
+    the generator's `model.dtype`. The learner trains float32 masters either way."""
+    full_every: int = Field(10, ge=1, le=1_000_000)
+    """Version v is a full snapshot when v % full_every == 0; every other version is a delta
+    against v - 1 that holds only the tensors that changed (their changed elements alone
+    when that is smaller). 1 publishes every version in full."""
+
+
 class LearnerConfig(Section):
     """Policy updates from ready shards with bounded staleness."""
 
@@ -127,6 +139,8 @@ class LearnerConfig(Section):
     """Longest wait between listings while waiting for data (a commit wakes it sooner)."""
     doctor_every: int = Field(10, ge=1, le=1_000_000)
     """Run the live doctor every this many steps."""
+    publish: PublishConfig = PublishConfig()
+    """Published weights: dtype, deltas and full snapshots."""
 
 
 class EvalConfig(Section):

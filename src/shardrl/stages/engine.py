@@ -5,15 +5,20 @@ from __future__ import annotations
 from ..engines.hf import HFEngine
 from ..tasks.prompts import PromptFormat
 from .context import StageContext
-from .policy import fetch_weights, load_policy
+from .policy import PolicyWeights, load_policy
 
 
 class PolicyEngine:
-    """An engine that follows the published policy versions, reloading weights in place."""
+    """An engine that follows the published policy versions, reloading weights in place.
+
+    It keeps the published weights of its version (`PolicyWeights`), so moving to a newer
+    version reads only the deltas since, or the newest full snapshot when one of them is gone.
+    """
 
     def __init__(self, ctx: StageContext, version: int) -> None:
         self.ctx = ctx
         model, self.tokenizer = load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir())
+        self.weights = PolicyWeights()
         self.prompt_format = PromptFormat.from_config(ctx.cfg)
         self.prompt_format.check(self.tokenizer)
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)
@@ -39,7 +44,8 @@ class PolicyEngine:
         """Load `version` if it is not the current one; True when weights changed."""
         if version == self.engine.version:
             return False
-        self.engine.load_weights(fetch_weights(self.ctx.store, self.ctx.keys, version), version)
+        state = self.weights.get(self.ctx.store, self.ctx.keys, version)
+        self.engine.load_weights(state, version)
         return True
 
     def encode(self, prompts: list[str]) -> list[list[int]]:

@@ -1,9 +1,17 @@
 """Moving models through the store: full folders (v0, ref) and per-version weights.
 
 `policy/v000000/` and `ref/` hold a complete Hugging Face folder (config, tokenizer,
-safetensors weights); later versions hold only `model.safetensors`. Every folder gets a
-`MANIFEST.json` (sha256 per file) written last, and `policy/LATEST.json` is written after the
+safetensors weights). A later version v holds its weights in the publish dtype
+(`learner.publish`): in full (`model.safetensors`) when v % full_every == 0, else as a delta
+against v - 1 (`delta.safetensors`, see `shardrl.models.delta`). Every folder gets a
+`MANIFEST.json` (sha256 per file; for a version also its kind, dtype and `full`, the full
+snapshot its chain starts from) written last, and `policy/LATEST.json` is written after the
 version it points to, so a reader never sees a half-published model.
+
+A reader rebuilds version v from the full snapshot `full` and the deltas after it, every file
+checked against its manifest; `PolicyWeights` keeps the state it read last and moves it
+forward by the deltas alone when it can, from the full snapshot when a delta it would need
+is gone. Retention keeps every version a needed version's chain starts from.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save as st_save
 
+from ..models.delta import DTYPES, apply_delta, cast_state, encode_delta
 from ..models.io import (
     check_safe_weights_dir,
     load_causal_lm,
@@ -21,10 +31,12 @@ from ..models.io import (
     load_tokenizer,
 )
 from ..store import RunKeys, Store
+from ..store.base import NotFound
 from ..store.records import PolicyPointer
 
 MANIFEST = "MANIFEST.json"
 WEIGHTS = "model.safetensors"
+DELTA = "delta.safetensors"
 
 
 def _sha(data: bytes) -> str:
@@ -61,11 +73,40 @@ def download_folder(store: Store, prefix: str, dest: Path) -> Path:
     return dest
 
 
-def publish_weight_bytes(store: Store, keys: RunKeys, version: int, data: bytes) -> None:
-    """Publish safetensors bytes (`state_dict_bytes`) as policy `version`, with its manifest."""
-    store.put_bytes(keys.policy_file(version, WEIGHTS), data)
+def publish_dtype(cfg) -> torch.dtype:
+    """The dtype policy versions are published in (`learner.publish.dtype`; auto: model.dtype)."""
+    name = cfg.learner.publish.dtype
+    return DTYPES[cfg.model.dtype if name == "auto" else name]
+
+
+def full_base(version: int, full_every: int) -> int:
+    """The full snapshot the chain of `version` starts from (published on that schedule)."""
+    return version - version % full_every
+
+
+def publish_weights(store: Store, keys: RunKeys, version: int, state: dict[str, torch.Tensor],
+                    prev: dict[str, torch.Tensor] | None, full_every: int) -> int:
+    """Publish `state` (`publish_state`, one dtype) as policy `version`: the delta from
+    `prev` (the published state of `version - 1`), and when version % full_every == 0 the
+    full weights too (a reader that follows the versions reads only deltas; one that starts
+    late or lost its base reads the last full snapshot). Then the manifest; returns the
+    bytes written."""
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    start = full_base(version, full_every)
+    files = {}
+    if prev is not None:
+        files[DELTA] = st_save(encode_delta(prev, state), metadata={"base": str(version - 1)})
+    elif start != version:
+        raise ValueError(f"policy v{version} is a delta: it needs the state of v{version - 1}")
+    if start == version:
+        files[WEIGHTS] = st_save(state, metadata={"format": "pt"})
+    for name, data in files.items():
+        store.put_bytes(keys.policy_file(version, name), data)
     store.put_json(keys.policy_file(version, MANIFEST),
-                   {"files": {WEIGHTS: _sha(data)}, "base": 0, "time": time.time()})
+                   {"files": {name: _sha(data) for name, data in files.items()}, "base": 0,
+                    "time": time.time(), "kind": "full" if start == version else "delta",
+                    "full": start, "every": full_every, "dtype": ",".join(sorted(dtypes))})
+    return sum(len(data) for data in files.values())
 
 
 def point_latest(store: Store, keys: RunKeys, version: int, step: int | None = None) -> None:
@@ -73,13 +114,86 @@ def point_latest(store: Store, keys: RunKeys, version: int, step: int | None = N
     PolicyPointer(version=version, time=time.time(), step=step).write(store, keys.latest_policy())
 
 
+class ChainBroken(Exception):
+    """A version a reader needs is gone from the store (collected after the reader looked)."""
+
+
+def _manifest(store: Store, keys: RunKeys, version: int) -> dict:
+    try:
+        return store.get_json(keys.policy_file(version, MANIFEST))
+    except NotFound as e:
+        raise ChainBroken(f"policy v{version} is not in the store") from e
+
+
+def _checked(store: Store, keys: RunKeys, version: int, name: str, digest: str) -> bytes:
+    try:
+        data = store.get_bytes(keys.policy_file(version, name))
+    except NotFound as e:
+        raise ChainBroken(f"policy v{version}/{name} is not in the store") from e
+    if _sha(data) != digest:
+        raise ValueError(f"policy v{version}: {name} does not match its manifest")
+    return data
+
+
+class PolicyWeights:
+    """A reader's copy of one published version's weights, moved forward by deltas.
+
+    From version u to v it applies the deltas of u + 1 .. v when they are at most one full
+    snapshot's period or u is inside v's chain; else (or when one of those deltas is gone)
+    it reads v's full snapshot and the deltas after it.
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.read_bytes = 0
+        """Weight bytes read from the store (full snapshots and deltas)."""
+
+    def get(self, store: Store, keys: RunKeys, version: int) -> dict[str, torch.Tensor]:
+        """The state of `version`; the returned tensors change with the next `get`."""
+        if version == self.version:
+            return self.state
+        manifest = _manifest(store, keys, version)
+        start = version if manifest.get("kind", "full") == "full" else int(manifest["full"])
+        forward = start <= (self.version or 0) or version - (self.version or 0) <= manifest.get("every", 1)
+        if self.version is not None and self.version < version and forward:
+            try:
+                self._forward(store, keys, version)
+                return self.state
+            except ChainBroken:  # a delta is gone: rebuild from the full snapshot
+                pass
+        self._full(store, keys, start, manifest.get("dtype"))
+        self._forward(store, keys, version)
+        return self.state
+
+    def _full(self, store: Store, keys: RunKeys, version: int, dtype: str | None) -> None:
+        files = _manifest(store, keys, version)["files"]
+        state: dict[str, torch.Tensor] = {}
+        for name, digest in sorted(files.items()):
+            if name.endswith(".safetensors") and name != DELTA:
+                data = _checked(store, keys, version, name, digest)
+                self.read_bytes += len(data)
+                state.update(load_state_dict_from_safetensors(data))
+        if dtype and version == 0 and "," not in dtype:  # the snapshot's own dtype may differ
+            state = cast_state(state, DTYPES[dtype])
+        self.state, self.version = {k: t.contiguous() for k, t in state.items()}, version
+
+    def _forward(self, store: Store, keys: RunKeys, version: int) -> None:
+        while self.version < version:
+            v = self.version + 1
+            files = _manifest(store, keys, v)["files"]
+            if DELTA not in files:
+                raise ChainBroken(f"policy v{v} has no delta")
+            data = _checked(store, keys, v, DELTA, files[DELTA])
+            self.read_bytes += len(data)
+            apply_delta(self.state, load_state_dict_from_safetensors(data))
+            self.version = v
+
+
 def fetch_weights(store: Store, keys: RunKeys, version: int) -> dict[str, torch.Tensor]:
-    """The state dict of policy `version` (safetensors only), checked against its manifest."""
-    manifest = store.get_json(keys.policy_file(version, MANIFEST))["files"]
-    data = store.get_bytes(keys.policy_file(version, WEIGHTS))
-    if _sha(data) != manifest[WEIGHTS]:
-        raise ValueError(f"policy v{version}: weights do not match their manifest")
-    return load_state_dict_from_safetensors(data)
+    """The state dict of policy `version` in its publish dtype (safetensors only), rebuilt
+    from its full snapshot and deltas, every file checked against its manifest."""
+    return PolicyWeights().get(store, keys, version)
 
 
 def load_policy(store: Store, keys: RunKeys, version: int, cache: Path, dtype=torch.float32):

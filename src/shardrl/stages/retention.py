@@ -6,8 +6,12 @@ promotion could still choose it, that is unless another evaluated version ranks 
 (`promote.choose: best`: a higher `promote.metric`, or an equal one and newer; `last`: any
 newer one). Whatever ranks first at the end was never outranked, so promotion always finds
 its weights. Version 0 is the snapshot whose config and tokenizer every stage loads: kept.
-A run therefore keeps about `k + 2` recent versions and the best evaluated one however
-long it runs.
+
+A version that is a delta needs its chain: the full snapshot before it and every delta
+between (`learner.publish.full_every`). So a needed version keeps its whole chain, and a
+version goes only when no needed version's chain includes it. A run therefore keeps about
+`k + 2` recent versions and the full snapshots and deltas before them, and the best
+evaluated one with its chain, however long it runs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from ..config import RunConfig
 from ..store import RunKeys, Store
 from ..store.keys import folder_number
 from .evaluate import latest_evaluated, next_wanted, wanted
+from .policy import full_base
 from .staleness import gc_horizon
 
 
@@ -40,30 +45,37 @@ class Retention:
         present = {v for k in store.list(keys.root + "policy/")
                    if (v := folder_number(k, "policy")) is not None}
         horizon = gc_horizon(version, cfg.learner.max_staleness)
-        self.waiting = sorted(v for v in present if 0 < v <= horizon)
-        """Versions past the horizon kept for evaluation or promotion (after a restart: all
-        that earlier runs of the learner kept)."""
+        self.old = {v for v in present if 0 < v <= horizon}
+        """Versions at or below the horizon still in the store."""
+        self.waiting = sorted(v for v in self.old
+                              if wanted(v, cfg.eval.every, cfg.learner.total_steps))
+        """Versions past the horizon kept for evaluation or promotion (after a restart: the
+        ones evaluation wants that earlier runs of the learner kept)."""
+
+    def chain(self, version: int) -> range:
+        """The versions a reader of `version` needs: its full snapshot up to itself."""
+        return range(full_base(version, self.cfg.learner.publish.full_every), version + 1)
 
     def collect(self, version: int) -> list[int]:
         """After the commit of `version`: delete what nothing can need any more; the deleted
-        versions."""
+        versions, in increasing order."""
         old = gc_horizon(version, self.cfg.learner.max_staleness)
-        deleted = []
         if old > 0:
+            self.old.add(old)
             if wanted(old, self.cfg.eval.every, self.cfg.learner.total_steps):
                 self.waiting.append(old)
-            else:
-                self._delete(old)
-                deleted.append(old)
         if self.waiting:
             self._read_summaries()
             how = self.cfg.promote.choose
-            drop = [v for v in self.waiting
-                    if v in self.summaries and outranked(v, self.summaries, how)]
-            for v in drop:
-                self._delete(v)
-                self.waiting.remove(v)
-            deleted += drop
+            self.waiting = [v for v in self.waiting
+                            if v not in self.summaries or not outranked(v, self.summaries, how)]
+        needed = set(self.chain(old + 1)) if old >= 0 else set()
+        for v in self.waiting:
+            needed.update(self.chain(v))
+        deleted = sorted(self.old - needed)
+        for v in deleted:
+            self._delete(v)
+            self.old.discard(v)
         return deleted
 
     def _read_summaries(self) -> None:

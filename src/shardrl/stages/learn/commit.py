@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
 from ...store.records import Buffered, LedgerDelta, LedgerEntry, Progress
 from ..checkpoint import save_checkpoint
 from ..inline import kept_groups
-from ..policy import point_latest, publish_weight_bytes
+from ..policy import point_latest, publish_weights
 from .buffer import Batch
 
 
@@ -81,8 +82,12 @@ class Commit:
     progress: Progress
     delta: list[LedgerEntry]
     stepped: bool
-    weights: bytes | None = None
-    """The new version's weights (an applied step)."""
+    weights: dict[str, torch.Tensor] | None = None
+    """The new version's weights in the publish dtype (an applied step)."""
+    previous: dict[str, torch.Tensor] | None = None
+    """The published weights of the version before, which a delta is taken against."""
+    full_every: int = 1
+    """`learner.publish.full_every`."""
     checkpoint: dict[str, bytes] = field(default_factory=dict)
     """Checkpoint files (name -> safetensors bytes) when one is due."""
     buffered: Buffered | None = None
@@ -93,7 +98,7 @@ class Commit:
         """The store writes, in the commit order (see the package docstring)."""
         version = self.progress.version
         if self.weights is not None:
-            publish_weight_bytes(store, keys, version, self.weights)
+            publish_weights(store, keys, version, self.weights, self.previous, self.full_every)
         LedgerDelta(version=version, stepped=self.stepped, shards=self.delta).write(
             store, keys.ledger(self.progress.commits))
         if self.buffered is not None:  # before progress.json: a reader double-counts, never misses

@@ -10,12 +10,13 @@ from safetensors.torch import load as st_load
 
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
+from ...models.delta import publish_state
 from ...store.records import Done, Progress
 from ...store.schemas import READY
 from ...store.shards import read_shard
 from ..checkpoint import latest_checkpoint
 from ..context import StageContext
-from ..policy import fetch_weights, load_policy, point_latest
+from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
 from ..staleness import effective_k
@@ -44,6 +45,10 @@ class Learner:
         self.kl = get_kl_controller(controller.kind)(**controller.model_dump(exclude={"kind"}))
         if state.kl:
             self.kl.load_state_dict(state.kl)
+        self.dtype = publish_dtype(cfg)
+        """Dtype of the published versions."""
+        self.published: dict | None = None
+        """The leader's copy of the last published version (what the next delta is against)."""
         self.backend = self._resume_backend()
         self.leader = self.backend.rank == 0
         self.in_step = False
@@ -68,11 +73,18 @@ class Learner:
 
             critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
         if self.version > 0:  # weights go in before the backend takes the modules over
-            self.model.load_state_dict(fetch_weights(store, keys, self.version), strict=False)
+            self.published = fetch_weights(store, keys, self.version)
             ckpt = latest_checkpoint(store, keys)
+            masters = keys.learner_file(ckpt or 0, f"{ranks.MASTERS}.safetensors")
+            if ckpt == self.version and store.exists(masters):  # narrower publish dtype
+                self.model.load_state_dict(st_load(store.get_bytes(masters)), strict=False)
+            else:
+                self.model.load_state_dict(self.published, strict=False)
             if ckpt is not None and critic is not None:
                 data = store.get_bytes(keys.learner_file(ckpt, f"{ranks.CRITIC}.safetensors"))
                 critic.load_state_dict(st_load(data))
+        if self.version == 0:
+            self.published = publish_state(self.model, self.dtype)
         backend = build_backend(cfg.learner, self.model, critic=critic,
                                 critic_lr=cfg.algo.critic.lr if critic is not None else None)
         if self.version > 0:
@@ -187,7 +199,7 @@ class Learner:
             return None, {}
         self.version += 1
         due = self.version % self.cfg.learner.ckpt_every == 0
-        return ranks.gather(self.backend, self.model, self.leader, due)
+        return ranks.gather(self.backend, self.model, self.leader, due, self.dtype)
 
     def commit(self, batch: Batch, stepped: bool) -> None:
         """Publish (if the step was applied) and record the batch's shards in the ledger.
@@ -202,7 +214,10 @@ class Learner:
         commit = Commit(
             progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta),
             delta=delta, stepped=stepped, weights=weights, checkpoint=files,
+            previous=self.published, full_every=self.cfg.learner.publish.full_every,
             buffered=None if self.cfg.inline_postprocess else self.buffer.counts())
+        if weights is not None:
+            self.published = weights
         self.writer.submit(commit.write, self.ctx.store, self.ctx.keys,
                            self.cfg.learner.keep_checkpoints, self.retention.collect)
 

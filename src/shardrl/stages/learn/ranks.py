@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from safetensors.torch import save as st_save
 
 from ...learner_backends import Backend
+from ...models.delta import publish_state
 from ...models.io import state_dict_bytes
 
-BACKEND_STATE, CRITIC = "backend", "critic"
-"""Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights."""
+BACKEND_STATE, CRITIC, MASTERS = "backend", "critic", "policy"
+"""Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights,
+the policy's float32 weights (only when versions are published in a narrower dtype)."""
 
 
 @dataclass(frozen=True)
@@ -38,18 +41,22 @@ def end(backend: Backend) -> None:
     backend.broadcast_json(None)
 
 
-def gather(backend: Backend, model, leader: bool, checkpoint_due: bool
-           ) -> tuple[bytes | None, dict[str, bytes]]:
+def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: torch.dtype,
+           ) -> tuple[dict[str, torch.Tensor] | None, dict[str, bytes]]:
     """The collective part of an applied step's commit, on every rank in the same order.
 
-    The full weights are gathered and serialized; when a checkpoint is due, the backend's
-    full optimizer state (and the critic's weights) too, as checkpoint files. Returns
-    (weights, checkpoint files) for the leader to write; (None, {}) on the other ranks.
+    The full weights are gathered and copied in the publish `dtype`; when a checkpoint is
+    due, the backend's full optimizer state (and the critic's weights) too, as checkpoint
+    files, and the float32 master weights when `dtype` is narrower (a learner resumed at that
+    version continues from them). Returns (weights, checkpoint files) for the leader to
+    write; (None, {}) on the other ranks.
     """
     weights, files = None, {}
     with backend.gathered():
         if leader:
-            weights = state_dict_bytes(model)
+            weights = publish_state(model, dtype)
+            if checkpoint_due and dtype != torch.float32:
+                files[MASTERS] = st_save(publish_state(model, torch.float32))
     if checkpoint_due:
         state = backend.state_dict()
         if backend.critic is not None:
