@@ -26,8 +26,10 @@ from kfp.compiler.compiler_utils import KubernetesManifestOptions
 from kfp.dsl.base_component import BaseComponent
 
 from components import STAGE_IMAGES, build_tag, image_ref, stage_component
+from components.tasks import monitor_component, report_component
 from shardrl.config import RunConfig, load_config
-from shardrl.graph import StageSpec, active
+from shardrl.config.infra import Resources
+from shardrl.graph import StageSpec, active, after_loop, before_loop
 
 from .cluster import DEFAULT_STORE, STAGE_SECRETS
 
@@ -114,8 +116,12 @@ def configure_pod(task: dsl.PipelineTask, gpus: int, cfg: RunConfig) -> dsl.Pipe
 
 def configure_task(task: dsl.PipelineTask, spec: StageSpec, cfg: RunConfig) -> dsl.PipelineTask:
     """Resources, pod settings, retries, timeout, caching and secrets of one stage task."""
-    res = getattr(cfg.pipeline.resources, spec.name)
-    task.set_display_name(spec.name)
+    return _configure(task, spec.name, getattr(cfg.pipeline.resources, spec.name), cfg)
+
+
+def _configure(task: dsl.PipelineTask, name: str, res: Resources,
+               cfg: RunConfig) -> dsl.PipelineTask:
+    task.set_display_name(name)
     # Stages work on the store, not on KFP outputs: a cached task would skip real work.
     task.set_caching_options(enable_caching=False)
     task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
@@ -155,11 +161,33 @@ def _add_stage(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None,
     return task
 
 
+TASK_RESOURCES = Resources(cpu="1", memory="2Gi")
+"""Resources of the monitor and report tasks."""
+
+
+def _add_monitor(cfg: RunConfig, registry: str, tag: str | None, params: dict,
+                 upstream: list[dsl.PipelineTask]) -> dsl.PipelineTask:
+    """Forwards the stages' metrics to MLflow while they run (ends on DONE.json)."""
+    image = image_ref(STAGE_IMAGES["base"], registry, tag or build_tag())
+    task = monitor_component(image)(**params)
+    return _configure(task, "monitor", TASK_RESOURCES, cfg).after(*upstream)
+
+
+def _add_report(cfg: RunConfig, registry: str, tag: str | None, params: dict,
+                upstream: list[dsl.PipelineTask]) -> dsl.PipelineTask:
+    """The final task: KFP Metrics and HTML artifacts, the MLflow <-> KFP links."""
+    image = image_ref(STAGE_IMAGES["base"], registry, tag or build_tag())
+    task = report_component(image)(**params)
+    return _configure(task, "report", TASK_RESOURCES, cfg).after(*upstream)
+
+
 def _async_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
     tasks: dict[str, dsl.PipelineTask] = {}
     for spec in active(cfg):
         upstream = [tasks[name] for name in spec.after]
         tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params, upstream, once=False)
+    _add_monitor(cfg, registry, tag, params, [tasks[s.name] for s in before_loop(cfg)])
+    _add_report(cfg, registry, tag, params, [tasks[s.name] for s in after_loop(cfg)])
 
 
 def _sync_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:
@@ -181,6 +209,7 @@ def _sync_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> 
     for spec in after:
         tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params,
                                       [tasks[a] for a in spec.after], once=False)
+    _add_report(cfg, registry, tag, params, [tasks[s.name] for s in after])
 
 
 def build_pipeline(name: str, cfg: RunConfig, *, registry: str | None = None,

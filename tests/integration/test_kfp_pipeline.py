@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +68,10 @@ def strict(data: dict, message):
     return json_format.ParseDict(data, message, ignore_unknown_fields=False)
 
 
-def load_compiled(path: Path) -> tuple[pb.PipelineSpec, dict[str, StageTask]]:
-    """Parse the IR YAML strictly and index its stage tasks by display name."""
+def load_compiled(path: Path, stages_only: bool = True
+                  ) -> tuple[pb.PipelineSpec, dict[str, StageTask]]:
+    """Parse the IR YAML strictly and index its stage tasks (with `stages_only=False` also
+    the monitor and report tasks) by display name."""
     spec_doc, platform_doc = yaml.safe_load_all(path.read_text())
     spec = strict(spec_doc, pb.PipelineSpec())
     platform = strict(platform_doc, pb.PlatformSpec())
@@ -87,6 +90,8 @@ def load_compiled(path: Path) -> tuple[pb.PipelineSpec, dict[str, StageTask]]:
                          k8s_pb.KubernetesExecutorConfig())
             container = deployment.executors[comp.executor_label].container
             assert task.task_info.name not in tasks
+            if stages_only and task.task_info.name not in STAGE_NAMES:
+                continue
             tasks[task.task_info.name] = StageTask(task, container, k8s, loops, dict(dag.tasks))
 
     walk(spec.root.dag, [])
@@ -258,6 +263,38 @@ def test_cache_volume_sits_at_the_images_cache_folder():
     assert CACHE_DIR == "/home/shardrl/.cache/shardrl"  # StageContext.cache_dir()'s default
 
 
+def test_monitor_forwards_metrics_and_report_emits_kfp_artifacts(compiled, tmp_path):
+    cfg, _ = compiled
+    paths = compile_pipelines(cfg, tmp_path, registry=REGISTRY)
+    for name, path in paths.items():
+        spec, tasks = load_compiled(path, stages_only=False)
+        assert set(tasks) - set(STAGE_NAMES) == ({"monitor", "report"} if name == "shardrl"
+                                                 else {"report"}), name
+        report = tasks["report"]
+        # the final task: after promote, in the base image, writing a Metrics and an HTML
+        # artifact; the metrics' values go to the executor output named in `{{$}}`
+        assert _deps(report) == {"promote"} and report.loops == []
+        assert report.container.image == image_ref(STAGE_IMAGES["base"], REGISTRY, build_tag())
+        assert list(report.container.command) == [
+            "python", "-m", "shardrl.orchestrate.kfp_tasks", "report", "--config",
+            param("config"), "--run-id", param("run_id"), "--store", param("store"),
+            "--executor-input", "{{$}}", "--metrics", "{{$.outputs.artifacts['metrics'].path}}",
+            "--html", "{{$.outputs.artifacts['report'].path}}"]
+        outputs = spec.components[report.task.component_ref.name].output_definitions.artifacts
+        assert {k: v.artifact_type.schema_title for k, v in outputs.items()} == {
+            "metrics": "system.Metrics", "report": "system.HTML"}
+        assert [s.secret_name for s in report.k8s.secret_as_env] == [
+            s.name for s in STAGE_SECRETS]
+        assert report.task.inputs.parameters["run_id"].runtime_value.constant.string_value == \
+            dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    _, tasks = load_compiled(paths["shardrl"], stages_only=False)
+    monitor = tasks["monitor"]
+    # beside the looping stages from the snapshot on, until DONE.json
+    assert _deps(monitor) == {"snapshot"}
+    assert list(monitor.container.command)[:4] == [
+        "python", "-m", "shardrl.orchestrate.kfp_tasks", "monitor"]
+
+
 def _deps(t: StageTask) -> set[str]:
     return {t.siblings[d].task_info.name for d in t.task.dependent_tasks}
 
@@ -356,11 +393,11 @@ def test_make_pipeline_compile_uses_the_given_config(tmp_path):
     proc = subprocess.run(["make", "-s", "-o", ".venv/.installed", "pipeline-compile",
                            f"CONFIG={config}", f"PIPELINE_DIR={out}", "IMAGE_REGISTRY=reg.test/x",
                            "K8S_MANIFEST=1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "SHARDRL_GIT_REVISION": "feed"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(out.glob("*.yaml"))) == 4
     spec, tasks = load_compiled(out / "shardrl.yaml")
     assert tasks["rollout"].loops[0].iterator_policy.parallelism_limit == 2
-    assert tasks["rollout"].container.image == f"reg.test/x/shardrl:{build_tag()}"
+    assert tasks["rollout"].container.image == f"reg.test/x/shardrl:{__version__}-gfeed"
     default = spec.root.input_definitions.parameters["config"].default_value.string_value
     assert yaml.safe_load(default)["name"] == "mine"

@@ -165,7 +165,9 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     assert images and all(i.startswith("reg.test/team/") and i.endswith(":0.9.0-gfeed")
                           for i in images), images
 
-    expected_config = config_text(load_config(ROOT / "configs/demo.yaml"))
+    # the config sent is the file's, with the KFP UI's address for the MLflow run's link
+    expected_config = config_text(load_config(ROOT / "configs/demo.yaml",
+                                              [f"pipeline.ui_endpoint={host}"]))
     assert state.one("POST", f"{API}/experiments").json()["display_name"] == "shardrl"
     run = state.one("POST", f"{API}/runs").json()
     assert run["experiment_id"] == "exp-1"

@@ -60,6 +60,9 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from shardrl.config import load_config
 
     cfg = load_config(args.config)
+    if cfg.pipeline.ui_endpoint is None:  # the MLflow run links to the KFP run's page
+        ui = (env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/")
+        cfg = load_config(args.config, [f"pipeline.ui_endpoint={ui}"])
     text = config_text(cfg)
     store = cfg.store.uri if cfg.store.uri.startswith("s3://") else DEFAULT_STORE
     with tempfile.TemporaryDirectory() as tmp:

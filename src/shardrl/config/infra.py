@@ -170,6 +170,9 @@ class PipelineConfig(Section):
     """Per-stage resources on the cluster."""
     pod: PodConfig = PodConfig()
     """Shared memory, GPU node placement, pull secrets and the cache volume of the pods."""
+    ui_endpoint: str | None = None
+    """Base URL of the Kubeflow Pipelines UI, for the MLflow run's link to its KFP run
+    (`shardrl pipeline run` fills it from KF_PIPELINES_UI_ENDPOINT or KFP_HOST)."""
 
 
 class DoctorConfig(Section):

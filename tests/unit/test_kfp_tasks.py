@@ -1,0 +1,77 @@
+"""The pipeline's report task: KFP Metrics and HTML artifacts, executor output, run links."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from google.protobuf import json_format
+from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+
+from shardrl.config import RunConfig
+from shardrl.orchestrate import kfp_tasks
+
+SUMMARY = {
+    "done": {"steps": 12},
+    "evals": {"0": {"pass_at_1": 0.25}, "12": {"pass_at_1": 0.5}, "6": {"pass_at_1": 0.375}},
+    "accounting": {"generated": 96, "consumed": 80, "balanced": True, "dropped_stale": 16},
+    "promote": {"model_name": "m", "model_version": "3", "version": 12, "champion": True},
+}
+
+
+def test_metrics_are_the_final_pass_rate_steps_and_accounting():
+    assert kfp_tasks.kfp_metrics(SUMMARY) == {
+        "steps": 12.0, "pass_at_1_baseline": 0.25, "pass_at_1_final": 0.5,
+        "final_version": 12.0, "samples_generated": 96.0, "samples_consumed": 80.0,
+        "samples_dropped_stale": 16.0, "registered_version": 3.0}
+    # a run without evaluations or promotion still reports its steps
+    assert kfp_tasks.kfp_metrics({"done": {"steps": 0}}) == {"steps": 0.0}
+
+
+def test_outputs_reach_kfp_through_the_executor_output(tmp_path):
+    executor_input = json.dumps({"outputs": {
+        "artifacts": {"metrics": {"artifacts": [{"uri": "s3://b/m"}]}},
+        "outputFile": str(tmp_path / "tmp" / "executor_output.json")}})
+    metrics = kfp_tasks.kfp_metrics(SUMMARY)
+    page = kfp_tasks.report_html("run-1", SUMMARY, metrics, {
+        "MLflow run": "http://mlflow:5000/#/experiments/1/runs/abc", "Kubeflow run": None})
+    kfp_tasks.write_outputs(executor_input, str(tmp_path / "s3/b/m"),
+                            str(tmp_path / "s3/b/r"), metrics, page)
+    assert json.loads((tmp_path / "s3/b/m").read_text()) == metrics
+    html = (tmp_path / "s3/b/r").read_text()
+    assert "http://mlflow:5000/#/experiments/1/runs/abc" in html and "Kubeflow run" not in html
+    assert "<td>pass_at_1_final</td><td>0.5</td>" in html and "champion" in html
+    # the launcher parses the file as an ExecutorOutput and merges the metadata into the
+    # Metrics artifact, which the run's UI shows
+    out = json_format.Parse((tmp_path / "tmp/executor_output.json").read_text(),
+                            pb.ExecutorOutput())
+    meta = json_format.MessageToDict(out.artifacts["metrics"].artifacts[0].metadata)
+    assert meta == metrics
+
+
+class Client:
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tag(self, run, key, value):
+        assert run == "ml-1"
+        self.tags[key] = value
+
+    def get_run(self, run):
+        return SimpleNamespace(info=SimpleNamespace(experiment_id="7"))
+
+
+def test_the_mlflow_run_and_the_kfp_run_link_to_each_other(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    cfg = RunConfig.model_validate({"pipeline": {"ui_endpoint": "https://kf.example.com/"}})
+    view = SimpleNamespace(cfg=cfg, run_id="5f0c")
+    monitor = SimpleNamespace(mlflow="ml-1", client=Client())
+    assert kfp_tasks.link_runs(monitor, view) == "http://mlflow:5000/#/experiments/7/runs/ml-1"
+    assert monitor.client.tags == {"kfp.run_id": "5f0c",
+                                   "kfp.run_url": "https://kf.example.com/#/runs/details/5f0c"}
+    # without a UI address only the id; without tracking nothing
+    view.cfg = RunConfig()
+    monitor.client = Client()
+    kfp_tasks.link_runs(monitor, view)
+    assert monitor.client.tags == {"kfp.run_id": "5f0c"}
+    assert kfp_tasks.link_runs(SimpleNamespace(mlflow=None), view) is None
