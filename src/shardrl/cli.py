@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="config file or preset name")
     run.add_argument("--run-id", help="run id (default: derived from the config name and time)")
     run.add_argument("--store", help="store URI overriding store.uri (folder or s3://bucket/prefix)")
+    run.add_argument("--create-bucket", action="store_true",
+                     help="create the S3 bucket of --store when it does not exist")
     run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from the store")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
     run.add_argument("--no-report", action="store_true",

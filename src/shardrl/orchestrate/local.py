@@ -20,7 +20,7 @@ from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
-from ..store import RunKeys, Store, StoreUnavailable, open_store
+from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
 from .fork import Forked, fork_stage
 from .rss import PeakRss, record
 
@@ -171,6 +171,9 @@ def prepare_run(args) -> LocalRun:
         store_uri = args.store or cfg.store.uri
         run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         store = open_store(store_uri, retry_policy(cfg))
+        if getattr(args, "create_bucket", False) and hasattr(store, "create_bucket"):
+            if store.create_bucket():
+                print(f"created bucket {store.bucket!r} at {store.endpoint}", flush=True)
     log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
     if store_uri.startswith("file://"):
         log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
@@ -202,6 +205,9 @@ def run(args) -> int:
     except StoreUnavailable as exc:
         print(f"shardrl run: {exc}", file=sys.stderr)
         return EXIT_STORE_UNAVAILABLE
+    except PermanentStoreError as exc:  # a missing bucket, rejected credentials: one line
+        print(f"shardrl run: {exc}", file=sys.stderr)
+        return 1
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
     if lr.cfg.pipeline.local.fork:
         from .fork import warm

@@ -19,7 +19,7 @@ import certifi
 import urllib3
 from minio import Minio
 from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
-from minio.helpers import MAX_PART_SIZE, MIN_PART_SIZE
+from minio.helpers import MAX_PART_SIZE, MIN_PART_SIZE, check_bucket_name
 
 from shardrl.store.base import (
     NotFound,
@@ -43,6 +43,7 @@ _CREDENTIAL_CODES = frozenset(
      "ExpiredToken", "AllAccessDisabled"}
 )
 _ENV_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or SHARDRL_AWS_ACCESS_KEY_ID/...)"
+_CREATE_HINT = "create it (`shardrl run ... --create-bucket` does) or fix the store URI"
 
 
 def is_transient(error: BaseException) -> bool:
@@ -81,6 +82,10 @@ class S3Store(Store):
     ) -> None:
         if not bucket:
             raise ValueError("S3Store needs a bucket name")
+        try:
+            check_bucket_name(bucket, strict=True)
+        except ValueError as e:
+            raise PermanentStoreError(f"invalid S3 bucket name {bucket!r}: {e}") from None
         if not access_key or not secret_key:
             raise PermanentStoreError(
                 f"no credentials for bucket {bucket!r} at {endpoint}: set {_ENV_HINT}"
@@ -216,6 +221,21 @@ class S3Store(Store):
                 f"{type(e).__name__}: {e}"
             ) from e
 
+    def create_bucket(self) -> bool:
+        """Create the bucket when it is missing; True when this call created it."""
+        try:
+            found = self._retrier.call(
+                "check bucket", lambda: self._client.bucket_exists(self.bucket)
+            )
+            if not found:
+                self._retrier.call("create bucket", lambda: self._client.make_bucket(self.bucket))
+        except S3Error as e:
+            if e.code != "BucketAlreadyOwnedByYou":  # created meanwhile, by us
+                raise self._permanent(e, "create bucket") from e
+            found = True
+        self._bucket_checked = True
+        return not found
+
     def _check_bucket(self) -> None:
         """Fail clearly and at once when the bucket is missing or the credentials are wrong."""
         if self._bucket_checked:
@@ -230,17 +250,17 @@ class S3Store(Store):
             except S3Error as e:
                 raise self._permanent(e, "check bucket") from e
             if not found:
-                raise PermanentStoreError(
-                    f"bucket {self.bucket!r} does not exist at endpoint {self.endpoint}: "
-                    "create it or fix the store URI"
-                )
+                raise PermanentStoreError(f"{self._where()} does not exist: {_CREATE_HINT}")
             self._bucket_checked = True
+
+    def _where(self) -> str:
+        return f"bucket {self.bucket!r} at endpoint {self.endpoint}"
 
     def _permanent(self, error: S3Error, what: str) -> StoreError:
         """The store error for an S3 error response that retrying cannot fix."""
-        where = f"bucket {self.bucket!r} at endpoint {self.endpoint}"
+        where = self._where()
         if error.code == "NoSuchBucket":
-            return PermanentStoreError(f"{where} does not exist: create it or fix the store URI")
+            return PermanentStoreError(f"{where} does not exist: {_CREATE_HINT}")
         if error.code in _CREDENTIAL_CODES:
             return PermanentStoreError(
                 f"{what}: {where} rejected the request ({error.code}: {error.message}); "
