@@ -73,6 +73,16 @@ class RunConfig(Section):
                 f"({learn_gpus}): one rank per GPU, so set `pipeline.resources.learn.gpus: "
                 f"{backend.ranks}` or fewer ranks"
             )
+        if backend.kind == "deepspeed" and self.learner.micro_batch is not None:
+            errors.append(
+                "`learner.micro_batch` accumulates gradients with the torch backend only: "
+                "remove it or set `learner.backend: {kind: torch}`"
+            )
+        if self.learner.micro_batch is not None and self.algo.advantages.estimator == "gae":
+            errors.append(
+                "`learner.micro_batch` does not support GAE advantages yet (their whitening "
+                "spans the whole batch's critic values): remove `learner.micro_batch`"
+            )
         if self.algo.critic is not None and self.algo.advantages.estimator != "gae":
             errors.append(
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "

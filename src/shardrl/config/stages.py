@@ -141,6 +141,15 @@ class LearnerConfig(Section):
     """Run the live doctor every this many steps."""
     publish: PublishConfig = PublishConfig()
     """Published weights: dtype, deltas and full snapshots."""
+    micro_batch: int | None = Field(None, ge=1, le=1_000_000)
+    """Samples per forward and backward pass: the gradients of a step's micro-batches add
+    up to the gradient of the whole batch's loss (every aggregation normalizes over the
+    whole batch), so the batch size no longer sets the activation memory. None: the whole
+    batch at once. Plain torch backend only."""
+    logits_chunk_mb: float | None = Field(256.0, gt=0.0, le=1e7)
+    """Largest float32 logits tensor (MiB) the learner materializes: longer or wider batches
+    compute the output head, softmax and logprobs over chunks of response positions,
+    recomputed in the backward pass (large vocabularies). None: never chunk."""
 
 
 class EvalConfig(Section):

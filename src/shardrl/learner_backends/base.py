@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config.stages import LearnerConfig
-from ..models.heads import Critic, TokenLogprobs, token_logprobs
+from ..models.heads import Critic, TokenLogprobs, logits_chunk, token_logprobs
 
 POLICY, CRITIC = "policy", "critic"
 """Names of the trainable parts, in the order of the optimizer's parameter groups."""
@@ -37,7 +37,8 @@ class PolicyLogprobs(Protocol):
     """What the loss needs from the policy: response-token logprobs (see `token_logprobs`)."""
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
-                 temperature: float, fp32_lm_head: bool) -> TokenLogprobs: ...
+                 temperature: float, fp32_lm_head: bool,
+                 logits_mb: float | None = None) -> TokenLogprobs: ...
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -59,12 +60,17 @@ class PolicyModule(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
-                temperature: float = 1.0, fp32_lm_head: bool = True) -> TokenLogprobs:
-        """input_ids, attention_mask: (B, L); response_start: (B,). Outputs (B, T)."""
+                temperature: float = 1.0, fp32_lm_head: bool = True,
+                logits_mb: float | None = None) -> TokenLogprobs:
+        """input_ids, attention_mask: (B, L); response_start: (B,). Outputs (B, T).
+
+        `logits_mb`: the most MiB of float32 logits computed at once (see `token_logprobs`'s
+        `chunk`); None computes them whole."""
         home, device = input_ids.device, _device_of(self.lm)
+        chunk = logits_chunk(input_ids.shape[0], self.lm.config.vocab_size, logits_mb)
         out = token_logprobs(self.lm, input_ids.to(device), attention_mask.to(device),
                              response_start.to(device), temperature=temperature,
-                             fp32_lm_head=fp32_lm_head)
+                             fp32_lm_head=fp32_lm_head, chunk=chunk)
         return TokenLogprobs(out.logprobs.to(home), out.entropy.to(home), None)
 
 
@@ -133,7 +139,8 @@ class Backend(Protocol):
 
     def step(self, loss: Tensor) -> tuple[bool, float]:
         """Backward, clip, AdamW step. (False, norm) and no update when the loss or the
-        gradient norm is not finite; the same decision on every rank."""
+        gradient norm is not finite; the same decision on every rank. The torch backend also
+        takes an iterable of micro-batch losses (`learner.micro_batch`)."""
         ...
 
     def gathered(self) -> AbstractContextManager[None]:

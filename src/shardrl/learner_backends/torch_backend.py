@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -41,7 +42,9 @@ class TorchLearnerBackend:
             if group["name"] == part:
                 group["lr"] = lr
 
-    def step(self, loss: Tensor) -> tuple[bool, float]:
+    def step(self, loss: Tensor | Iterable[Tensor]) -> tuple[bool, float]:
+        """One optimizer step on `loss`, or on the sum of the micro-batch losses an iterable
+        yields (each one's backward runs before the next is computed)."""
         return apply_step(loss, self.params, [self.opt], self.grad_clip)
 
     def gathered(self) -> AbstractContextManager[None]:
@@ -81,14 +84,20 @@ class TorchLearnerBackend:
         return value
 
 
-def apply_step(loss: torch.Tensor, params: list[torch.nn.Parameter], optimizers,
-               grad_clip: float | None) -> tuple[bool, float]:
-    """Backward, clip and step; skips (and reports False) on a non-finite loss or gradient."""
+def apply_step(loss: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter],
+               optimizers, grad_clip: float | None) -> tuple[bool, float]:
+    """Backward, clip and step; skips (and reports False) on a non-finite loss or gradient.
+
+    `loss` may be an iterable of micro-batch losses: their gradients accumulate, and a
+    non-finite one skips the whole step."""
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
-        return False, math.nan
-    loss.backward()
+    for part in [loss] if isinstance(loss, torch.Tensor) else loss:
+        if not torch.isfinite(part):
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            return False, math.nan
+        part.backward()
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else math.inf)
     if not torch.isfinite(norm):
         for opt in optimizers:

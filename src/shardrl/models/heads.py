@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
 from shardrl.models.io import check_safe_weights_dir, directory_manifest
@@ -78,6 +79,7 @@ def token_logprobs(
     temperature: float = 1.0,
     fp32_lm_head: bool = True,
     return_logits: bool = False,
+    chunk: int | None = None,
 ) -> TokenLogprobs:
     """Logprobs and entropies of the response tokens under `model` at `temperature`.
 
@@ -87,27 +89,63 @@ def token_logprobs(
     logprobs of a bf16 model close to the generator's; otherwise the head runs in the
     model's dtype and only the softmax is float32. Assumes a plain linear head
     (Llama/Qwen/Mistral style, no logit soft-capping).
+
+    `chunk` (response positions) computes the head, softmax, logprobs and entropies `chunk`
+    positions at a time, so the (B, T, V) float32 logits never exist whole: with gradients
+    on, each chunk is recomputed in the backward pass instead of being kept (activation
+    checkpointing), so the head's activations take (B, chunk, V). The results equal the
+    unchunked ones up to float error; `return_logits` needs the whole tensor (no chunking).
     """
     batch, seq_len = input_ids.shape
     index, valid = response_index(response_start, batch, seq_len, input_ids.device)
     hidden = _final_hidden(model.base_model, input_ids, attention_mask)  # (B, L, H)
     pred = hidden.gather(1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     head = model.get_output_embeddings()
-    if fp32_lm_head:
-        bias = None if head.bias is None else head.bias.float()
-        logits = F.linear(pred.float(), head.weight.float(), bias)  # (B, T, V)
-    else:
-        logits = head(pred).float()  # (B, T, V)
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (B, T, V)
     targets = input_ids.gather(1, index)  # (B, T)
-    logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    width = pred.shape[1]
+    if chunk is None or chunk >= width or return_logits:
+        logprobs, entropy, logits = _head_logprobs(head, pred, targets, temperature, fp32_lm_head)
+    else:
+        parts = []
+        for first in range(0, width, chunk):
+            args = (head, pred[:, first:first + chunk], targets[:, first:first + chunk],
+                    temperature, fp32_lm_head, False)
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_head_logprobs(*args))
+        logprobs = torch.cat([p[0] for p in parts], dim=1)  # (B, T)
+        entropy = torch.cat([p[1] for p in parts], dim=1)  # (B, T)
+        logits = None
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return TokenLogprobs(
         logprobs=torch.where(valid, logprobs, zero),
         entropy=torch.where(valid, entropy, zero),
         logits=logits if return_logits else None,
     )
+
+
+def _head_logprobs(head: nn.Module, pred: Tensor, targets: Tensor, temperature: float,
+                   fp32_lm_head: bool, keep_logits: bool = True,
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """pred (B, t, H), targets (B, t) -> logprobs, entropy (B, t) float32 [, logits (B, t, V)]."""
+    if fp32_lm_head:
+        bias = None if head.bias is None else head.bias.float()
+        logits = F.linear(pred.float(), head.weight.float(), bias)  # (B, t, V)
+    else:
+        logits = head(pred).float()  # (B, t, V)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (B, t, V)
+    logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, t)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, t)
+    return logprobs, entropy, logits if keep_logits else None
+
+
+def logits_chunk(batch: int, vocab: int, max_mb: float | None) -> int | None:
+    """Response positions per chunk so that one chunk's float32 logits of a batch of `batch`
+    rows over `vocab` tokens take at most `max_mb` MiB (None: no limit, no chunking)."""
+    if max_mb is None:
+        return None
+    return max(1, int(max_mb * 2**20 // (4 * batch * vocab)))
 
 
 class Critic(nn.Module):

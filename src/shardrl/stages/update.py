@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -97,8 +100,67 @@ def gae_rewards(cfg: RunConfig, table: pa.Table, batch: SeqBatch, behaviour: tor
     return rewards.scatter_add(1, last, total[:, None])
 
 
+@dataclass
+class Share:
+    """One micro-batch's part of its whole batch: with it, the micro-batches' losses add up
+    to the whole batch's loss. Tensors are the micro-batch's rows at the whole batch's
+    response width (cropped to the micro-batch's)."""
+
+    agg: torch.Tensor
+    """(b, T) token weights of the configured aggregation over the whole batch."""
+    tokens: torch.Tensor
+    """(b, T) mask over the whole batch's response-token count (a token mean's weights)."""
+    adv: torch.Tensor
+    """(b,) advantages, normalized over the whole batch when so configured."""
+    token_frac: float
+    """The micro-batch's share of the batch's response tokens."""
+    sample_frac: float
+    """Its share of the batch's samples."""
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str, groups: torch.Tensor) -> torch.Tensor:
+    """(B, T) weights w with aggregate(L, mask, mode, groups) == sum(L * w) for every per-
+    token loss L: the aggregation's gradient, exact since every mode is linear in L."""
+    x = torch.zeros_like(mask, dtype=torch.float32, requires_grad=True)
+    with torch.enable_grad():
+        return torch.autograd.grad(aggregate(x, mask, mode, groups), x)[0]
+
+
+def micro_losses(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,
+                 beta: float, size: int, metrics: dict[str, torch.Tensor],
+                 ) -> Iterator[torch.Tensor]:
+    """The losses of `table`'s micro-batches of `size` rows, one at a time, for gradient
+    accumulation: their sum is `compute_loss`'s loss of the whole table (up to float error)
+    and so is the sum of their gradients. `metrics` receives the whole batch's metrics:
+    losses and entropy added up, other means weighted by token (KL: sample) share."""
+    batch = build_batch(table, pad_id)
+    mask = batch.response_mask  # (B, T)
+    agg = aggregation_weights(mask, cfg.algo.aggregation, group_index(table))  # (B, T)
+    tokens = mask / mask.sum().clamp_min(1.0)  # (B, T)
+    adv = torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32))  # (B,)
+    if cfg.algo.advantages.norm == "batch":
+        adv = batch_normalize(adv)
+    rows, total = len(table), mask.sum().clamp_min(1.0)
+    additive = {"policy_loss", "total_loss", "entropy"}
+    for first in range(0, rows, size):
+        part = slice(first, first + size)
+        share = Share(agg=agg[part], tokens=tokens[part], adv=adv[part],
+                      token_frac=float(mask[part].sum() / total),
+                      sample_frac=len(range(rows)[part]) / rows)
+        loss, m, _ = compute_loss(cfg, policy, table.slice(first, size), pad_id, beta,
+                                  share=share)
+        for key, value in m.items():
+            if key == "advantage_abs_max":
+                metrics[key] = torch.maximum(metrics.get(key, value), value)
+                continue
+            weight = (1.0 if key in additive else
+                      share.sample_frac if key in ("kl_sum", "kl_mean") else share.token_frac)
+            metrics[key] = metrics.get(key, 0.0) + weight * value
+        yield loss
+
+
 def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,
-                 beta: float, critic=None,
+                 beta: float, critic=None, share: Share | None = None,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SeqBatch]:
     """Total loss (scalar) and detached metrics for the kept rows in `table`.
 
@@ -108,13 +170,26 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     logprobs in the mismatch metrics. With `algo.is_correction.enabled` the surrogate's ratio
     is taken against the learner-old logprobs (decoupled proximal policy) and every token's
     loss is weighted by `is_weight` (truncated, or IcePop's mask).
+
+    With a `share` the table is one micro-batch of a larger batch (`micro_losses`): the
+    aggregation and token means use the whole batch's weights, so the micro-batches' losses
+    add up to the whole batch's.
     """
     algo = cfg.algo
     batch = build_batch(table, pad_id)
     mask = batch.response_mask  # (B, T)
     groups = group_index(table)  # (B,)
     out = policy(batch.input_ids, batch.attention_mask, batch.response_start,
-                 temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head)
+                 temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
+                 logits_mb=cfg.learner.logits_chunk_mb)
+    if share is not None:  # the whole batch's weights, at this micro-batch's width
+        agg_w, token_w = share.agg[:, :batch.width], share.tokens[:, :batch.width]
+
+    def reduce(per_token: torch.Tensor) -> torch.Tensor:
+        if share is None:
+            return aggregate(per_token, mask, algo.aggregation, groups)
+        return (per_token * agg_w).sum()
+
     logprobs = out.logprobs  # (B, T)
     old = batch.pad_response(padded_column(table, "behavior_logprobs"))  # (B, T)
     learner_old = logprobs.detach()  # (B, T)
@@ -129,6 +204,8 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
             gamma=algo.advantages.gamma, lam=algo.advantages.lam)
         if algo.advantages.whiten:
             adv = masked_whiten(adv, mask)
+    elif share is not None:
+        adv = share.adv  # (B,), normalized over the whole batch
     else:
         adv = torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32))  # (B,)
         if algo.advantages.norm == "batch":  # over the batch being trained (prepare centers)
@@ -140,7 +217,7 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
         weight = is_weight(cfg, learner_old, old)  # (B, T)
         per_token = per_token * weight
         metrics["is_masked_frac"] = masked_mean((weight == 0).float(), mask)
-    loss = aggregate(per_token, mask, algo.aggregation, groups)
+    loss = reduce(per_token)
     metrics.update({k: v.detach() for k, v in pl_metrics.items()})
     metrics["policy_loss"] = loss.detach()
     if table.column("ref_logprobs").null_count == 0 and algo.kl.placement != "none":
@@ -149,8 +226,8 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
         stats = kl_stats(kl_tok.detach(), mask)
         metrics["kl_sum"], metrics["kl_mean"] = stats.kl_sum.mean(), stats.kl_mean.mean()
         if algo.kl.placement == "loss":
-            loss = loss + beta * aggregate(kl_tok, mask, algo.aggregation, groups)
-    entropy = masked_mean(out.entropy, mask)
+            loss = loss + beta * reduce(kl_tok)
+    entropy = masked_mean(out.entropy, mask) if share is None else (out.entropy * token_w).sum()
     metrics["entropy"] = entropy.detach()
     if algo.entropy_coef > 0:
         loss = loss - algo.entropy_coef * entropy

@@ -20,7 +20,7 @@ from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
 from ..staleness import effective_k
-from ..update import compute_loss
+from ..update import compute_loss, micro_losses
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
@@ -184,8 +184,13 @@ class Learner:
                             total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
         self.backend.set_lr("policy", lc.lr * scale)
         with self.ctx.cores.busy() as cores:
-            loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
-                                      self.backend.critic)
+            if lc.micro_batch is not None and len(kept) > lc.micro_batch:
+                m: dict = {}  # filled as the step consumes the micro-batches' losses
+                loss = micro_losses(self.cfg, self.backend.policy, kept, self.pad_id, beta,
+                                    lc.micro_batch, m)
+            else:
+                loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id,
+                                          beta, self.backend.critic)
             cores.adjust()  # the backward pass may get cores the generator left meanwhile
             applied, grad_norm = self.backend.step(loss)
         metrics = {k: float(v) for k, v in m.items()}
