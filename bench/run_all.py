@@ -27,6 +27,7 @@ BENCHES = [
      "--set", "learner.total_steps=240"],
     ["bench.overhead_bench", "--repeats", "3"],
     ["bench.growth_bench"],
+    ["bench.publish_bench"],
     # about 45 s a seed on 2 cores (snapshot, a 60-step RL phase of ~10 s, the SFT control for
     # as long, evaluations); `--total-steps` shortens the RL phase should that grow
     ["bench.demo_control", "--seeds", "0", "1", "2"],
@@ -198,6 +199,17 @@ def _growth(r: dict) -> Iterator[Row]:
                    f"{p['ratio']:.2f}")
 
 
+def _publish(r: dict) -> Iterator[Row]:
+    for name, c in r["cases"].items():
+        target = "<= 0.10" if c["dtype"] == "bfloat16" and c["lr"] <= 1e-5 else ""
+        yield ("publish", f"{name} ({c['params'] / 1e6:.2f}M params, full "
+               f"{c['full_bytes'] / 1e6:.2f} MB): delta bytes / full (median)", target,
+               f"{c['delta_fraction_median']:.3f}")
+        yield ("publish", f"{name}: reload by delta / from the full snapshot", "",
+               f"{c['reload_delta_s'] * 1e3:.1f} / {c['reload_full_s'] * 1e3:.1f} ms"
+               f"{'' if c['bit_exact'] else ' (NOT bit-exact)'}")
+
+
 def _memory(r: dict) -> Iterator[Row]:
     for stage, mb in r["peak_rss_mb"].items():
         yield "memory", f"demo: peak RSS of {stage}", "", f"{mb:.0f} MiB"
@@ -214,7 +226,7 @@ def _demo(r: dict) -> Iterator[Row]:
 
 SECTIONS: dict[str, Callable[[dict], Iterator[Row]]] = {
     "algo": _algo, "store": _store, "async": _async, "trl": _trl, "overhead": _overhead,
-    "growth": _growth, "memory": _memory, "demo_control": _demo,
+    "growth": _growth, "publish": _publish, "memory": _memory, "demo_control": _demo,
 }
 
 
