@@ -96,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output folder (default: the run's report/ folder)")
     rep.add_argument("--fit", action="store_true", help="print the compute->performance fit only")
 
+    rp = sub.add_parser("replay", help="re-run a run's learner from its ledger: verify it "
+                        "bit for bit, or try a config change on the same shards")
+    rp.add_argument("run", help="run id of the run to replay")
+    rp.add_argument("--store", help="store URI (default: runs)")
+    rp.add_argument("--to-version", type=int, metavar="N", help="stop after version N")
+    rp.add_argument("--verify", action="store_true",
+                    help="check that each version the run still holds is published bit for bit")
+    rp.add_argument("--run-id", help="id of the new run (default: RUN-replay-<time>)")
+    rp.add_argument("--no-eval", action="store_true",
+                    help="with --set: do not evaluate the new run's versions")
+    _add_overrides(rp)
+
     smp = sub.add_parser("samples", help="audit generated samples of a run")
     smp.add_argument("run", help="run id")
     smp.add_argument("--store", help="store URI")
@@ -118,6 +130,7 @@ _HANDLERS = {
     "doctor": "shardrl.doctor.cli",
     "report": "shardrl.doctor.report",
     "samples": "shardrl.doctor.samples",
+    "replay": "shardrl.commands.replay_cmd",
 }
 
 

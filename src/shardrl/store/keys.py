@@ -281,6 +281,14 @@ class RunKeys:
         """`state/evaluate/latest.json`: the newest evaluated version (`EvalPointer`)."""
         return self.state("evaluate", "latest.json")
 
+    def replay_source(self) -> str:
+        """`state/replay/source.json`: what a replay run re-ran (`ReplaySource`)."""
+        return self.state("replay", "source.json")
+
+    def replay_check(self) -> str:
+        """`state/replay/verify.json`: a replay's bit-for-bit comparison (`ReplayCheck`)."""
+        return self.state("replay", "verify.json")
+
     def quarantine(self, stage: str, key: str) -> str:
         """Where the run's object `key` goes when `stage` cannot use it."""
         return f"{self.root}quarantine/{_name(stage, 'stage')}/{self.relative(key)}"

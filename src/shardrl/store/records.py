@@ -19,6 +19,8 @@ errors both ways, so a misspelt field fails where it is written, not where it is
     state/prepare/passrate-<n>.json  PassRateSnapshot  prepare        prepare
     state/prepare/retired/<n>.json   RetiredChange     prepare        rollout (resampling)
     state/evaluate/latest.json       EvalPointer       evaluate       monitor, promote
+    state/replay/source.json         ReplaySource      replay         replay, report readers
+    state/replay/verify.json         ReplayCheck       replay         replay --verify callers
     DONE.json                        Done              learn          every stage, monitor
 """
 
@@ -100,12 +102,27 @@ class LedgerEntry(Record):
     rows: int
 
 
+class LearnerRestart(Record):
+    """How a restarted learner resumed: its optimizer state came from the checkpoint of step
+    `checkpoint` (None: fresh moments, there was no checkpoint)."""
+
+    checkpoint: int | None = None
+
+
 class LedgerDelta(Record):
-    """The shards one commit consumed or dropped."""
+    """The shards one commit consumed or dropped, in the order the step concatenated them,
+    and what else a replay needs to repeat the step bit for bit."""
 
     version: int = 0
     stepped: bool = False
     shards: list[LedgerEntry] = []
+    beta: float | None = None
+    """The KL coefficient the update used (None: a commit of stale drops only)."""
+    threads: list[int] = []
+    """Torch threads of the update's forward and of its backward and optimizer step (CPU
+    reductions depend on them); empty for a commit without an update."""
+    restart: LearnerRestart | None = None
+    """Set on the first commit of a restarted learner process."""
 
 
 class Cursor(Record):
@@ -162,6 +179,42 @@ class EvalPointer(Record):
     """The newest evaluated policy version."""
 
     version: int = 0
+
+
+class ReplaySource(Record):
+    """What a replay run (`shardrl replay`) re-ran: the source run's ledger up to
+    `to_version`, with the source's config changed by `overrides`."""
+
+    run_id: str
+    to_version: int | None = None
+    overrides: list[str] = []
+
+
+class TensorDifference(Record):
+    """The first tensor of a published version that a replay did not reproduce bit for bit."""
+
+    version: int
+    tensor: str
+    elements: int
+    """Elements that differ (all of them when the tensor is missing or reshaped)."""
+    max_abs_diff: float | None = None
+    """Largest absolute difference of the differing elements (None: missing or reshaped)."""
+
+
+class ReplayCheck(Record):
+    """`shardrl replay --verify`: which published versions of the source were compared with
+    the replay's weights, which were gone (deleted by retention), and the first difference."""
+
+    source: str
+    checked: list[int] = []
+    missing: list[int] = []
+    first_difference: TensorDifference | None = None
+    divergence: str | None = None
+    """A step the replay could not repeat as recorded (applied vs skipped, another beta)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None and self.divergence is None
 
 
 class Done(Record):

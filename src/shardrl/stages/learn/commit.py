@@ -14,7 +14,7 @@ import torch
 
 from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
-from ...store.records import Buffered, LedgerDelta, LedgerEntry, Progress
+from ...store.records import Buffered, LearnerRestart, LedgerDelta, LedgerEntry, Progress
 from ..checkpoint import save_checkpoint
 from ..inline import kept_groups
 from ..policy import point_latest, publish_weights
@@ -92,6 +92,10 @@ class Commit:
     """Checkpoint files (name -> safetensors bytes) when one is due."""
     buffered: Buffered | None = None
     """Groups read and not committed (rollout workers that cannot count kept groups)."""
+    beta: float | None = None
+    threads: list[int] = field(default_factory=list)
+    restart: LearnerRestart | None = None
+    """The ledger delta's replay fields (see `LedgerDelta`)."""
 
     def write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
               collect: Callable[[int], object]) -> None:
@@ -99,7 +103,8 @@ class Commit:
         version = self.progress.version
         if self.weights is not None:
             publish_weights(store, keys, version, self.weights, self.previous, self.full_every)
-        LedgerDelta(version=version, stepped=self.stepped, shards=self.delta).write(
+        LedgerDelta(version=version, stepped=self.stepped, shards=self.delta, beta=self.beta,
+                    threads=self.threads, restart=self.restart).write(
             store, keys.ledger(self.progress.commits))
         if self.buffered is not None:  # before progress.json: a reader double-counts, never misses
             self.buffered.write(store, keys.buffered())

@@ -6,12 +6,13 @@ import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 from safetensors.torch import load as st_load
 
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
 from ...models.delta import publish_state
-from ...store.records import Done, Progress
+from ...store.records import Done, LearnerRestart, Progress
 from ...store.schemas import READY
 from ...store.shards import read_shard
 from ..checkpoint import latest_checkpoint
@@ -49,6 +50,10 @@ class Learner:
         """Dtype of the published versions."""
         self.published: dict | None = None
         """The leader's copy of the last published version (what the next delta is against)."""
+        self.restart: LearnerRestart | None = None
+        """How this process resumed, recorded with its first commit (replay repeats it)."""
+        self.threads: list[int] = []
+        """Torch threads of the last update's forward and backward (see `LedgerDelta`)."""
         self.backend = self._resume_backend()
         self.leader = self.backend.rank == 0
         self.in_step = False
@@ -92,6 +97,7 @@ class Learner:
                 name = f"{ranks.BACKEND_STATE}.safetensors"
                 backend.load_state_dict(st_load(store.get_bytes(keys.learner_file(ckpt, name))))
             ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
+            self.restart = LearnerRestart(checkpoint=ckpt)
             if backend.rank == 0:
                 point_latest(store, keys, self.version, step=self.version)
         if backend.world_size > 1:
@@ -151,14 +157,15 @@ class Learner:
         self.in_step = True
         if self.backend.world_size > 1:
             ranks.Plan(self.version, self.kl.beta, [key for key, _ in admitted]).send(self.backend)
-        applied, metrics = self.update(kept, self.kl.beta)
+        beta = self.kl.beta
+        applied, metrics = self.update(kept, beta)
         if applied and "kl_sum" in metrics:
             self.kl.update(metrics["kl_sum"], len(kept))
         if not applied:
             self.ledger.counts["skipped_steps"] += int(len(kept) > 0)
         self.ledger.lags(self.version, table)
         updated = self.profile.updated(started, cpu_started)
-        self.commit(batch, stepped=applied)
+        self.commit(batch, stepped=applied, beta=beta, threads=self.threads)
         self.in_step = False
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
         metrics.update(
@@ -178,12 +185,14 @@ class Learner:
         (applied, metrics); nothing happens, on every rank alike, when no row is kept.
         """
         lc = self.cfg.learner
+        self.threads = []
         if not len(kept):
             return False, {}
         scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
                             total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
         self.backend.set_lr("policy", lc.lr * scale)
         with self.ctx.cores.busy() as cores:
+            self.threads.append(torch.get_num_threads())
             if lc.micro_batch is not None and len(kept) > lc.micro_batch:
                 m: dict = {}  # filled as the step consumes the micro-batches' losses
                 loss = micro_losses(self.cfg, self.backend.policy, kept, self.pad_id, beta,
@@ -192,6 +201,7 @@ class Learner:
                 loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id,
                                           beta, self.backend.critic)
             cores.adjust()  # the backward pass may get cores the generator left meanwhile
+            self.threads.append(torch.get_num_threads())
             applied, grad_norm = self.backend.step(loss)
         metrics = {k: float(v) for k, v in m.items()}
         metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
@@ -206,8 +216,10 @@ class Learner:
         due = self.version % self.cfg.learner.ckpt_every == 0
         return ranks.gather(self.backend, self.model, self.leader, due, self.dtype)
 
-    def commit(self, batch: Batch, stepped: bool) -> None:
-        """Publish (if the step was applied) and record the batch's shards in the ledger.
+    def commit(self, batch: Batch, stepped: bool, beta: float | None = None,
+               threads: list[int] = ()) -> None:
+        """Publish (if the step was applied) and record the batch's shards in the ledger,
+        with the update's KL coefficient and torch threads (what a replay repeats).
 
         The state is captured now; the writes, in the commit order, go to the background
         writer (see the package docstring).
@@ -220,7 +232,9 @@ class Learner:
             progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta),
             delta=delta, stepped=stepped, weights=weights, checkpoint=files,
             previous=self.published, full_every=self.cfg.learner.publish.full_every,
-            buffered=None if self.cfg.inline_postprocess else self.buffer.counts())
+            buffered=None if self.cfg.inline_postprocess else self.buffer.counts(),
+            beta=beta, threads=list(threads), restart=self.restart)
+        self.restart = None
         if weights is not None:
             self.published = weights
         self.writer.submit(commit.write, self.ctx.store, self.ctx.keys,

@@ -1,0 +1,90 @@
+"""`shardrl replay RUN_ID [--to-version N] [--verify] [--store URI] [--set KEY=VALUE ...]`.
+
+Re-runs the learner of a run from its ledger into a new run (see `stages.learn.replay`):
+`--verify` checks that it publishes the same weights bit for bit; `--set algo...` tries a
+change of the loss on exactly the same shards, as a run `shardrl report` reads like any other
+(its versions are evaluated unless `--no-eval`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+EXIT_DIFFERENT = 3
+"""Exit status of `--verify` when the replay's weights differ from the run's."""
+
+
+def spans(versions: list[int]) -> str:
+    """`v1-v3, v5` for [1, 2, 3, 5]."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in runs)
+
+
+def run(args) -> int:
+    from ..config import ConfigError, RunConfig
+    from ..config.loader import apply_override, validate
+    from ..stages.context import setup_logging
+    from ..stages.learn.replay import REPLAYABLE, Replay
+    from ..store import RunKeys, open_store
+
+    setup_logging("replay", 0)
+    store = open_store(args.store or RunConfig().store.uri)
+    source = RunKeys(args.run)
+    if not store.exists(source.run_json()):
+        print(f"shardrl replay: no run {args.run!r} in {store.uri}", file=sys.stderr)
+        return 2
+    if args.verify and args.overrides:
+        print("shardrl replay: --verify checks an unchanged replay; drop --set or --verify",
+              file=sys.stderr)
+        return 2
+    outside = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] not in REPLAYABLE]
+    if outside:
+        print(f"shardrl replay: --set may change only {', '.join(REPLAYABLE)} (the replay trains "
+              f"on the run's shards from its v0), not {', '.join(outside)}", file=sys.stderr)
+        return 2
+    run_json = store.get_json(source.run_json())
+    data = run_json["config"]
+    try:
+        for item in args.overrides:
+            data = apply_override(data, item)
+        cfg = validate(data, f"{args.run}/run.json")
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    backend = cfg.learner.backend
+    if backend.kind == "deepspeed" and backend.ranks > 1:
+        print("shardrl replay: the run's learner had several DeepSpeed ranks; replay runs one "
+              "process: add --set learner.backend.kind=torch (equal up to reduction order, "
+              "not bit for bit)", file=sys.stderr)
+        return 2
+    target = args.run_id or f"{args.run}-replay-{time.strftime('%Y%m%d-%H%M%S')}"
+    replay = Replay(store, args.run, target, cfg, tuple(args.overrides), args.to_version,
+                    args.verify)
+    replay.start_run(run_json)
+    started = time.monotonic()
+    check = replay.run()
+    print(f"replay {target}: {args.run} re-learnt in {time.monotonic() - started:.1f} s",
+          flush=True)
+    if args.overrides and not args.no_eval:
+        started = time.monotonic()
+        replay.evaluate()
+        print(f"replay {target}: evaluated in {time.monotonic() - started:.1f} s", flush=True)
+    if not args.verify:
+        return 0
+    print(f"verify: compared {spans(check.checked) or 'no version'}"
+          + (f"; deleted by retention: {spans(check.missing)}" if check.missing else ""))
+    if check.divergence:
+        print(f"verify: DIFFERENT: {check.divergence}")
+    if (d := check.first_difference) is not None:
+        diff = "" if d.max_abs_diff is None else f", max |diff| {d.max_abs_diff:.3g}"
+        print(f"verify: DIFFERENT at step {d.version} (policy v{d.version}): tensor {d.tensor} "
+              f"({d.elements} elements differ{diff})")
+    if check.ok:
+        print(f"verify: bit-for-bit equal ({len(check.checked)} versions)")
+    return 0 if check.ok else EXIT_DIFFERENT
