@@ -34,7 +34,15 @@ class SeqBatch:
         return out * self.response_mask
 
 
+POLICY_MASK = "policy_mask"
+"""Optional list column, one 0/1 per response token: 1 where the policy generated it (see
+`tasks.environments`). Without it every response token is the policy's."""
+
+
 def build_batch(table: pa.Table, pad_id: int) -> SeqBatch:
+    """The rows as one right-padded batch; `response_mask` is 1 on the response tokens the
+    policy generated (all of them, unless a `policy_mask` column says otherwise), which are
+    the only ones given logprobs, loss and metrics."""
     prompts, plen = list_column_to_padded(table, "prompt_token_ids", pad_id)  # (B, P)
     resps, rlen = list_column_to_padded(table, "response_token_ids", pad_id)  # (B, R)
     batch = len(plen)
@@ -47,6 +55,9 @@ def build_batch(table: pa.Table, pad_id: int) -> SeqBatch:
     attn = (np.arange(width)[None, :] < total[:, None]).astype(np.int64)  # (B, L)
     t = width - int(plen.min())
     mask = (np.arange(t)[None, :] < rlen[:, None]).astype(np.float32)  # (B, T)
+    if POLICY_MASK in table.column_names:  # multi-turn: the environment's tokens are out
+        policy, _ = list_column_to_padded(table, POLICY_MASK, 0)  # (B, R)
+        mask[:, : policy.shape[1]] *= policy.astype(np.float32)  # R <= T
     return SeqBatch(
         input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn),
         response_start=torch.from_numpy(plen.astype(np.int64)),

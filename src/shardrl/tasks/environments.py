@@ -1,0 +1,223 @@
+"""Environments for multi-turn episodes, and an episode's tokens with the policy's mask.
+
+An environment turns a task item into an episode: `reset(item)` gives the first observation
+(the text the policy answers), and `step(action)` takes one policy turn's text and gives
+`(observation, reward, done)`: the tool's reply or the environment's feedback, this turn's
+reward, and whether the episode is over. The rollout stops an episode after `max_turns`
+policy turns whether or not it is done.
+
+Environments are registered by name (`@register_environment("calculator")`) or given as
+`package.module:Class`; `make_environment(spec)` builds one, one instance per episode.
+
+An episode's tokens are the prompt, then for each turn the policy's tokens and the
+observation's (templated by the caller: the chat template's turn markers are part of the
+observation's tokens). `episode_tokens` lays them out as one response with a mask that is 1
+on the tokens the policy generated and 0 on the environment's: only masked-in tokens carry
+behaviour logprobs, loss and learner logprobs (`stages.batch.build_batch` multiplies the
+response mask by it). A single turn with no observation gives exactly the single-turn
+response: the mask is all ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import operator
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Protocol
+
+from .builtin import TaskItem
+from .verifiers import numeric
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    """Text the environment returns (empty when the episode is over)."""
+    reward: float
+    done: bool
+
+
+class Environment(Protocol):
+    """One episode at a time: `reset` starts it, `step` answers each policy turn."""
+
+    def reset(self, item: TaskItem) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec that names nothing usable."""
+
+
+def register_environment(name: str) -> Callable[[type], type]:
+    def add(cls: type) -> type:
+        if name in ENVIRONMENTS:
+            raise EnvironmentSpecError(f"environment {name!r} is registered twice")
+        ENVIRONMENTS[name] = cls
+        return cls
+    return add
+
+
+def make_environment(spec: str, **kwargs) -> Environment:
+    """A new environment: a registered name, or `package.module:Class`."""
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise EnvironmentSpecError(f"environment {spec!r}: {exc}") from None
+    elif spec in ENVIRONMENTS:
+        cls = ENVIRONMENTS[spec]
+    else:
+        raise EnvironmentSpecError(f"environment {spec!r} is neither a registered name "
+                                f"({', '.join(sorted(ENVIRONMENTS))}) nor package.module:Class")
+    env = cls(**kwargs)
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise EnvironmentSpecError(f"environment {spec!r} has no reset(item) and step(action)")
+    return env
+
+
+# -- the calculator ------------------------------------------------------------------------
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}
+MAX_CALC_CHARS = 64
+MAX_MAGNITUDE = 10**12
+"""Larger intermediate results are refused: `calc` stays a cheap, bounded tool."""
+
+
+def calculate(expr: str) -> Fraction:
+    """The exact value of an arithmetic expression of numbers, + - * / and parentheses.
+
+    Parsed, never executed: anything else (names, calls, powers, attributes) is a ValueError,
+    so the tool needs no sandbox; so are division by zero and results past `MAX_MAGNITUDE`.
+    """
+    if len(expr) > MAX_CALC_CHARS:
+        raise ValueError(f"expression longer than {MAX_CALC_CHARS} characters")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expr!r}") from None
+
+    def value(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            out = Fraction(str(node.value))
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            out = value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            out = _OPS[type(node.op)](left, right)
+        else:
+            raise ValueError(f"not an arithmetic expression: {expr!r}")
+        if abs(out) > MAX_MAGNITUDE:
+            raise ValueError("result too large")
+        return out
+
+    return value(tree.body)
+
+
+def _show(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{float(x):.6g}"
+
+
+_CALL = re.compile(r"calc\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
+_ANSWER = re.compile(r"answer\s*[:=]\s*(\S+)", re.IGNORECASE)
+
+
+@register_environment("calculator")
+class Calculator:
+    """A word problem with a calculator tool.
+
+    The policy either calls the tool, `calc(<expression>)`, and gets `= <value>` (or
+    `error: <why>`) back with reward 0, or states `answer: <number>`, which ends the episode
+    with reward 1 when it equals the item's answer, else 0. A turn that does neither ends it
+    with reward 0. The first observation is the item's prompt.
+    """
+
+    def __init__(self) -> None:
+        self.item: TaskItem | None = None
+
+    def reset(self, item: TaskItem) -> str:
+        self.item = item
+        return item.prompt
+
+    def step(self, action: str) -> StepResult:
+        if self.item is None:
+            raise RuntimeError("step before reset")
+        if m := _ANSWER.search(action):
+            return StepResult("", numeric(m[1], self.item.answer), True)
+        if m := _CALL.search(action):
+            try:
+                return StepResult(f"= {_show(calculate(m[1]))}", 0.0, False)
+            except ValueError as exc:
+                return StepResult(f"error: {exc}", 0.0, False)
+        return StepResult("", 0.0, True)
+
+
+# -- an episode's tokens --------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    """One policy turn: its tokens and their behaviour logprobs, then the environment's reply
+    (tokenized with whatever template the caller puts between turns) and the turn's reward."""
+
+    action_ids: list[int]
+    action_logprobs: list[float]
+    observation_ids: list[int] = field(default_factory=list)
+    reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.action_ids) != len(self.action_logprobs):
+            raise ValueError(f"{len(self.action_ids)} action tokens, "
+                             f"{len(self.action_logprobs)} logprobs")
+
+
+@dataclass(frozen=True)
+class EpisodeTokens:
+    """An episode as one response after the prompt (what a shard row records)."""
+
+    response_token_ids: list[int]
+    policy_mask: list[int]
+    """1 on the policy's tokens, 0 on the environment's; one per response token."""
+    behavior_logprobs: list[float]
+    """The behaviour logprob of each policy token, 0.0 on the environment's tokens."""
+    turn_rewards: list[float]
+    turn_starts: list[int]
+    """Response position where each turn's policy tokens begin."""
+
+    @property
+    def episode_return(self) -> float:
+        """The episode's reward: the sum of its turns' (the group advantage's input)."""
+        return float(sum(self.turn_rewards))
+
+
+def episode_tokens(turns: Sequence[Turn]) -> EpisodeTokens:
+    """Lay out `turns` as one response with its policy mask (see the module docstring).
+
+    The last turn's observation is kept when there is one (an episode cut at `max_turns`
+    ends on the environment's reply); it is masked out like every observation.
+    """
+    if not turns:
+        raise ValueError("an episode has at least one policy turn")
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    starts: list[int] = []
+    for turn in turns:
+        starts.append(len(ids))
+        ids += turn.action_ids
+        mask += [1] * len(turn.action_ids)
+        logprobs += turn.action_logprobs
+        ids += turn.observation_ids
+        mask += [0] * len(turn.observation_ids)
+        logprobs += [0.0] * len(turn.observation_ids)
+    return EpisodeTokens(ids, mask, logprobs, [t.reward for t in turns], starts)
