@@ -27,7 +27,8 @@ def stage_component(name: str, image: str, *, workers: int = 1, once: bool = Fal
 
     With `workers > 1` the component takes a `worker` input (the replica index) and passes
     `--worker/--workers` like the local runner; `once` adds `--once` (one synchronous round);
-    `ranks > 1` starts the replica as that many processes under `torchrun`.
+    `ranks > 1` starts the replica as that many processes under `torchrun`. A looping stage
+    runs under `--supervise`, which restarts it inside its container when it crashes.
     """
     spec = stage(name)
     if workers < 1:
@@ -37,12 +38,13 @@ def stage_component(name: str, image: str, *, workers: int = 1, once: bool = Fal
         def component(config: str, run_id: str, store: str, worker: int) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
                 name, config=config, run_id=run_id, store=store, worker=worker,
-                workers=workers, once=once, ranks=ranks))
+                workers=workers, once=once, ranks=ranks, supervise=spec.loops))
         args_doc = _ARGS_DOC + _WORKER_DOC
     else:
         def component(config: str, run_id: str, store: str) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
-                name, config=config, run_id=run_id, store=store, once=once, ranks=ranks))
+                name, config=config, run_id=run_id, store=store, once=once, ranks=ranks,
+                supervise=spec.loops))
         args_doc = _ARGS_DOC
 
     mode = "one synchronous round" if once else ("until DONE.json" if spec.loops else "once")

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--workers", type=int, default=1, help="number of replicas")
     st.add_argument("--once", action="store_true",
                     help="do one synchronous round of work and exit (sync pipeline)")
+    st.add_argument("--supervise", action="store_true",
+                    help="run the stage as a child process and restart it when it crashes, "
+                         "with backoff, up to pipeline.max_restarts (what a pipeline pod runs)")
     _add_overrides(st)
 
     pl = sub.add_parser("pipeline", help="compile or submit the Kubeflow pipelines")
@@ -136,7 +139,10 @@ _HANDLERS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module = importlib.import_module(_HANDLERS[args.command])
+    handler = _HANDLERS[args.command]
+    if args.command == "stage" and args.supervise:  # restart the stage in this container
+        handler = "shardrl.orchestrate.supervise"
+    module = importlib.import_module(handler)
     return int(module.run(args) or 0)
 
 

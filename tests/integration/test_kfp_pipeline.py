@@ -114,7 +114,8 @@ def test_every_stage_runs_its_graph_entrypoint_in_its_image(compiled):
             expected = entrypoint(stage_name, config=param("config"), run_id=param("run_id"),
                                   store=param("store"), worker=param("worker"),
                                   workers=spec.replicas(cfg),
-                                  once=name == "shardrl-sync" and spec.loops)
+                                  once=name == "shardrl-sync" and spec.loops,
+                                  supervise=spec.loops)
             assert list(t.container.command) == expected, (name, stage_name)
             assert list(t.container.args) == []
             assert t.container.image == image_ref(STAGE_IMAGES[spec.image(cfg)], REGISTRY, build_tag())
@@ -136,6 +137,8 @@ def test_multi_rank_learner_runs_under_torchrun(tmp_path):
     assert tasks["learn"].container.image == image_ref(STAGE_IMAGES["deepspeed"], REGISTRY, build_tag())
     assert tasks["learn"].container.resources.accelerator.resource_count == "2"
     assert list(tasks["rollout"].container.command)[0] == "shardrl"
+    # torchrun's ranks fail together: no in-pod supervisor under it, the KFP retry restarts them
+    assert "--supervise" not in command and "--supervise" in tasks["rollout"].container.command
 
 
 def builds_engine(module: str) -> bool:
@@ -178,7 +181,7 @@ def test_hand_written_commands_and_images(compiled):
     # rollout: replica `worker` of 3 (from the loop item), base image (engine hf)
     assert list(tasks["rollout"].container.command) == [
         "shardrl", "stage", "rollout", "--config", param("config"), "--run-id", param("run_id"),
-        "--store", param("store"), "--worker", param("worker"), "--workers", "3"]
+        "--store", param("store"), "--worker", param("worker"), "--workers", "3", "--supervise"]
     # images of this checkout's revision: VERSION-gREV
     tag = build_tag()
     assert tag.startswith(f"{__version__}-g") and tag != __version__
@@ -186,8 +189,11 @@ def test_hand_written_commands_and_images(compiled):
     # learn: DeepSpeed backend -> the DeepSpeed learner image
     assert tasks["learn"].container.image == f"{REGISTRY}/shardrl-learner-deepspeed:{tag}"
     sync = pipelines["shardrl-sync"][1]
-    assert list(sync["learn"].container.command)[-1] == "--once"
+    assert list(sync["learn"].container.command)[-2:] == ["--supervise", "--once"]
+    # looping tasks restart their stage inside the pod; one-shot ones are retried by KFP only
     assert "--once" not in list(sync["promote"].container.command)
+    assert "--supervise" not in list(sync["promote"].container.command)
+    assert "--supervise" not in list(tasks["snapshot"].container.command)
 
 
 def test_resources_retries_timeout_caching_and_secrets(compiled):

@@ -21,6 +21,7 @@ from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
+from ..store.records import Aborted
 from .fork import Forked, fork_stage
 from .rss import PeakRss, record
 
@@ -34,7 +35,7 @@ def restart_delay(restarts: int) -> float:
     return min(cap, first * 2.0 ** restarts)
 
 
-def _die_with_parent():
+def die_with_parent():
     """A `preexec_fn` that has the kernel kill the child when the runner dies (Linux), so a
     SIGKILLed runner leaves no stage behind to race the stages of `--resume`."""
     if not sys.platform.startswith("linux"):
@@ -109,7 +110,7 @@ class LocalRun:
     def start(self, name: str, worker: int = 0) -> Proc:
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")
         env, cpus = self.placement(name)
-        die = _die_with_parent()
+        die = die_with_parent()
 
         def preexec() -> None:
             if die is not None:
@@ -267,6 +268,14 @@ def store_down(lr: LocalRun, monitor, exc: BaseException) -> int:
     return EXIT_STORE_UNAVAILABLE
 
 
+def abort(lr: LocalRun, p: Proc, code: int) -> None:
+    """Write the run's abort marker for stage `p`, out of restarts: every looping stage stops
+    on it, also one this runner does not own (a stage started by hand, say)."""
+    reason = f"out of restarts (pipeline.max_restarts = {lr.cfg.pipeline.max_restarts}); see {p.log}"
+    Aborted(stage=p.name, worker=p.worker, exit_code=code, restarts=p.restarts, reason=reason,
+            time=time.time()).write_first(lr.store, lr.keys.aborted())
+
+
 def supervise(lr: LocalRun, monitor, interrupted) -> int:
     """Restart crashed looping stages with backoff (bounded), until every one exited cleanly.
 
@@ -298,6 +307,7 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                     monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code}); "
                                 f"see {p.log}. Stopping the run (resume with "
                                 f"{resume_hint(lr)}).")
+                    abort(lr, p, code)
                     lr.stop_all()
                     return 1
                 delay = restart_delay(p.restarts)

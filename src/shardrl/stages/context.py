@@ -18,9 +18,12 @@ from ..config.loader import apply_override, resolve_mapping
 from ..quiet import quiet_libraries
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
-from ..store.records import PolicyPointer
+from ..store.records import Aborted, PolicyPointer
 from ..store.schemas import METRICS
 from .cores import CoreShare
+
+ABORT_CHECK_S = 5.0
+"""Longest time between two looks for the abort marker in a looping stage."""
 
 
 def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -105,14 +108,29 @@ class StageContext:
     metrics: MetricsSink | None = None
     cores: CoreShare = field(default_factory=lambda: CoreShare(None, 1, 1))
     """This stage's share of the machine's cores (wrap heavy work in `cores.busy()`)."""
+    _abort: Aborted | None = None
+    _abort_checked: float = float("-inf")
 
     @property
     def keys(self) -> RunKeys:
         return RunKeys(self.run_id)
 
     def done(self) -> bool:
-        """True once the learner has written DONE.json: looping stages stop."""
-        return self.store.exists(self.keys.done())
+        """True once the learner has written DONE.json, or the run was aborted (`aborted`):
+        looping stages stop."""
+        return self.aborted() is not None or self.store.exists(self.keys.done())
+
+    def aborted(self) -> Aborted | None:
+        """The run's abort marker (another stage failed for good), or None. Looked up at most
+        every `ABORT_CHECK_S` seconds (a poll loop calls it often); remembered once seen, and
+        logged then."""
+        now = time.monotonic()
+        if self._abort is None and now - self._abort_checked >= ABORT_CHECK_S:
+            self._abort_checked = now
+            self._abort = Aborted.read(self.store, self.keys.aborted(), optional=True)
+            if self._abort is not None:
+                self.log.error("run aborted: %s; stopping", self._abort.describe())
+        return self._abort
 
     def latest_version(self) -> int | None:
         """The newest published policy version, or None before the snapshot finished."""

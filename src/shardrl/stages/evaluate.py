@@ -102,7 +102,7 @@ def main(ctx: StageContext) -> int:
                 ctx.log.error("policy v%d is gone from the store: not evaluated", version)
             schedule.advance()
             continue
-        if (finished and latest >= total) or ctx.once:
+        if (finished and latest >= total) or ctx.once or ctx.aborted() is not None:
             return 0
         time.sleep(cfg.eval.poll_interval_s)
 

@@ -12,7 +12,7 @@
     runs/r/metrics/<stage>/w03/0001712/1712000000123456.parquet   metrics chunk (bucketed)
     runs/r/state/<stage>/<name>
     runs/r/quarantine/<stage>/<run-relative key>, and <that key>.error.json
-    runs/r/DONE.json
+    runs/r/DONE.json, runs/r/ABORTED.json
 
 Zero-padded numbers make the lexicographic order of keys their numeric order.
 """
@@ -161,6 +161,10 @@ class RunKeys:
     def done(self) -> str:
         """`DONE.json`: written by the learner at the end; looping stages stop on it."""
         return f"{self.root}DONE.json"
+
+    def aborted(self) -> str:
+        """`ABORTED.json`: a looping stage failed for good; every looping stage stops."""
+        return f"{self.root}ABORTED.json"
 
     def ref_prefix(self) -> str:
         return f"{self.root}ref/"

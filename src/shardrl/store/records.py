@@ -22,6 +22,8 @@ errors both ways, so a misspelt field fails where it is written, not where it is
     state/replay/source.json         ReplaySource      replay         replay, report readers
     state/replay/verify.json         ReplayCheck       replay         replay --verify callers
     DONE.json                        Done              learn          every stage, monitor
+    ABORTED.json                     Aborted           supervisor,    every looping stage
+                                                       local runner
 """
 
 from __future__ import annotations
@@ -224,3 +226,30 @@ class Done(Record):
     counts: dict[str, int] = {}
     time: float = 0.0
     staleness: dict[int, int] = {}
+
+
+class Aborted(Record):
+    """Written when a looping stage failed for good (its supervisor or the local runner ran
+    out of restarts): every other looping stage stops on it, as on DONE.json, so no pod waits
+    for work that will never come. The first failure's record is kept."""
+
+    stage: str = ""
+    worker: int = 0
+    exit_code: int = 1
+    restarts: int = 0
+    """Restarts spent before giving up."""
+    reason: str = ""
+    time: float = 0.0
+
+    def write_first(self, store: Store, key: str) -> Aborted:
+        """Write this record unless a stage's failure is recorded already; the one in force."""
+        existing = Aborted.read(store, key, optional=True)
+        if existing is not None:
+            return existing
+        self.write(store, key)
+        return self
+
+    def describe(self) -> str:
+        who = self.stage if self.worker == 0 else f"{self.stage} worker {self.worker}"
+        return (f"{who} failed for good (exit {self.exit_code} after {self.restarts} "
+                f"restart(s)){': ' + self.reason if self.reason else ''}")

@@ -1,0 +1,44 @@
+"""The abort marker: its key, first failure kept, and how a stage's context sees it."""
+
+import logging
+
+from shardrl.config import load_config
+from shardrl.stages.context import ABORT_CHECK_S, StageContext
+from shardrl.store import LocalStore, RunKeys
+from shardrl.store.records import Aborted, Done
+
+
+def test_the_first_failure_is_kept(tmp_path):
+    store, keys = LocalStore(tmp_path), RunKeys("r1")
+    assert keys.aborted() == "runs/r1/ABORTED.json"
+    first = Aborted(stage="rollout", worker=1, exit_code=137, restarts=3, reason="oom", time=1.0)
+    assert first.write_first(store, keys.aborted()) == first
+    later = Aborted(stage="learn", exit_code=1, restarts=3, time=2.0)
+    assert later.write_first(store, keys.aborted()) == first  # not overwritten
+    assert Aborted.read(store, keys.aborted()) == first
+    assert first.describe() == "rollout worker 1 failed for good (exit 137 after 3 restart(s)): oom"
+    assert later.describe() == "learn failed for good (exit 1 after 3 restart(s))"
+
+
+def test_a_stage_sees_the_marker_within_the_check_interval(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path)
+    ctx = StageContext(stage="evaluate", cfg=load_config("demo"), run_id="r1", store=store,
+                       log=logging.getLogger("test"))
+    now = [100.0]
+    monkeypatch.setattr("shardrl.stages.context.time.monotonic", lambda: now[0])
+    assert ctx.aborted() is None and not ctx.done()
+    Aborted(stage="learn", exit_code=1).write(store, ctx.keys.aborted())
+    now[0] += ABORT_CHECK_S / 2
+    assert ctx.aborted() is None  # not looked up again yet: a poll loop calls it often
+    now[0] += ABORT_CHECK_S / 2
+    assert ctx.aborted().stage == "learn"
+    assert ctx.done()  # looping stages stop as on DONE.json
+    store.delete(ctx.keys.aborted())
+    assert ctx.aborted() is not None  # remembered once seen
+
+
+def test_done_alone_still_ends_the_loops(tmp_path):
+    store = LocalStore(tmp_path)
+    ctx = StageContext(stage="rollout", cfg=load_config("demo"), run_id="r1", store=store)
+    Done(steps=3).write(store, ctx.keys.done())
+    assert ctx.done() and ctx.aborted() is None
