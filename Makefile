@@ -9,7 +9,7 @@ EXTRAS ?= dev
 # fetch another torch, a CUDA one): installed after torch without isolation, ops not compiled.
 NO_ISOLATION_EXTRAS ?= deepspeed
 
-.PHONY: help venv run test test-fast lint bench models s3 pipeline-compile pipeline-run images clean
+.PHONY: help venv run test test-fast lint bench models s3 manifest-secrets pipeline-compile pipeline-run images clean
 
 help:
 	@echo "make run               run the demo pipeline end to end on CPU (snapshot -> RL -> eval -> promote)"
@@ -22,6 +22,7 @@ help:
 	@echo "make pipeline-compile  compile the Kubeflow pipelines to YAML"
 	@echo "make pipeline-run      submit to KFP_HOST, or run locally when KFP_HOST is unset (REQUIRE_CLUSTER=1: fail)"
 	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY, tagged VERSION-gREV"
+	@echo "make manifest-secrets  OVERLAY=standalone|kubeflow: generate the manifests' credentials (git-ignored)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -107,6 +108,12 @@ pipeline-run: $(STAMP)
 
 # Each image is pushed as VERSION-gREV (a rebuild of another revision never replaces it); from
 # a clean tree the release tag VERSION is pushed too, only when the registry does not have it.
+# make manifest-secrets OVERLAY=standalone|kubeflow: the credential files the manifests'
+# Secrets are generated from (random passwords; never committed; existing files are kept)
+OVERLAY ?= standalone
+manifest-secrets:
+	$(PYTHON) manifests/generate-secrets.py $(OVERLAY)
+
 images: $(STAMP)
 	@command -v docker >/dev/null || { echo "make images needs docker"; exit 1; }
 	@rev="$$($(PY) -m components --revision)"; \

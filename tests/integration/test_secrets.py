@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from e2e.conftest import TINY
+from overlays import render
 from shardrl.models.io import UnsafeWeightsError, load_causal_lm, save_model
 from shardrl.models.tiny import build_tiny_model, train_tokenizer
 from shardrl.stages.policy import MANIFEST, load_policy, upload_folder
 from shardrl.store import LocalStore, RunKeys
 from shardrl.store.s3 import S3Store
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def files_under(*folders: Path) -> list[Path]:
@@ -119,10 +117,8 @@ def test_planted_pickle_weights_are_refused_and_never_unpickled(model_dir, tmp_p
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 @pytest.mark.parametrize("overlay", ["kubeflow", "standalone"])
-def test_rendered_manifests_run_unprivileged_and_take_credentials_from_secrets(overlay):
-    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests/overlays" / overlay)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    objects = [o for o in yaml.safe_load_all(out) if o]
+def test_rendered_manifests_run_unprivileged_and_take_credentials_from_secrets(overlay, tmp_path):
+    objects, _ = render(tmp_path, overlay)  # with the credentials the generator writes
     pods = [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objects
             if o["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")]
     assert pods
