@@ -42,3 +42,29 @@ def test_done_alone_still_ends_the_loops(tmp_path):
     ctx = StageContext(stage="rollout", cfg=load_config("demo"), run_id="r1", store=store)
     Done(steps=3).write(store, ctx.keys.done())
     assert ctx.done() and ctx.aborted() is None
+
+
+def test_the_monitor_task_ends_on_the_marker(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from shardrl.orchestrate import kfp_tasks, monitor
+
+    ticks = []
+
+    class Forwarder:  # the MLflow side is not what this checks
+        def __init__(self, view, progress_bar):
+            pass
+
+        def tick(self):
+            ticks.append(1)
+            if len(ticks) == 2:
+                Aborted(stage="rollout").write(store, keys.aborted())
+
+        def finish_metrics(self):
+            ticks.append("finished")
+
+    store, keys = LocalStore(tmp_path), RunKeys("r1")
+    monkeypatch.setattr(monitor, "Monitor", Forwarder)
+    monkeypatch.setattr(kfp_tasks, "link_runs", lambda monitor, view: None)
+    assert kfp_tasks.follow(SimpleNamespace(store=store, keys=keys), poll_s=0.01) == 0
+    assert ticks == [1, 1, "finished"]

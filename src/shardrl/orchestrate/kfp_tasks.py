@@ -67,12 +67,13 @@ def link_runs(monitor, view) -> str | None:
 
 
 def follow(view, poll_s: float = 10.0) -> int:
-    """Forward metrics to MLflow until DONE.json (the `monitor` task)."""
+    """Forward metrics to MLflow until DONE.json, or ABORTED.json when a stage failed for good
+    (the `monitor` task)."""
     from .monitor import Monitor
 
     monitor = Monitor(view, progress_bar=False)
     link_runs(monitor, view)
-    while not view.store.exists(view.keys.done()):
+    while not (view.store.exists(view.keys.done()) or view.store.exists(view.keys.aborted())):
         monitor.tick()
         time.sleep(poll_s)
     monitor.finish_metrics()
