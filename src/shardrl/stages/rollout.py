@@ -24,6 +24,9 @@ from .staleness import (
     worker_share,
 )
 
+MIN_ROUND_KEEP_RATE = 0.25
+"""`--once` with score and prepare as stages: a round writes at most 1 / this times its share
+of groups, however many the learner's filtering dropped so far."""
 MAX_EMPTY_SHARDS = 20
 """Rollout shards in a row whose every prompt was too long before the stage gives up."""
 
@@ -44,14 +47,14 @@ def main(ctx: StageContext) -> int:
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
-    written, paused, skipped = 0, False, 0
+    paused, skipped = False, 0
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
     last: Future | None = None
     try:
         while not ctx.done():
-            if ctx.once and flow.round_done(written):
+            if ctx.once and flow.round_done():
                 break
             progress = Progress.read(store, keys.progress())
             if not ctx.once and flow.full(progress):
@@ -112,7 +115,6 @@ def main(ctx: StageContext) -> int:
                     flow.wrote(len(items), None)
                     job = (_write_reserved, reserved, store, key, table)
                 last = writer.submit(*job)
-                written += 1
                 _log_metrics(ctx, engine.version, table, seconds * len(items) / len(prompt_ids),
                              flow)
             flow.busy(time.monotonic() - started)
@@ -174,6 +176,16 @@ class Flow:
         self.started = time.monotonic()
         self.busy_s = 0.0
         self.round_kept = 0
+        self.round_groups = 0
+        self.round_rate = 1.0
+        """`--once` without kept counts: the share of this worker's groups the learner kept
+        so far (at least MIN_ROUND_KEEP_RATE), so a round writes enough groups for its share
+        of kept ones on average."""
+        if ctx.once and not exact:
+            progress = Progress.read(ctx.store, ctx.keys.progress())
+            rate = keep_rate(progress.kept_groups_by_worker.get(ctx.worker, 0),
+                             progress.groups_by_worker.get(ctx.worker, 0))
+            self.round_rate = max(rate, MIN_ROUND_KEEP_RATE)
 
     def state(self) -> dict[str, int]:
         """The counts the worker's state records (those before the reserved shards)."""
@@ -186,6 +198,7 @@ class Flow:
         self.groups += groups
         self.kept += kept
         self.round_kept += kept
+        self.round_groups += groups
 
     def backlog(self, progress: Progress) -> float:
         if self.exact:
@@ -219,7 +232,7 @@ class Flow:
         if self.exact:
             rate = keep_rate(self.kept, self.groups)
         else:
-            rate = 1.0
+            rate = self.round_rate if self.ctx.once else 1.0
         return self.ctx.cfg.rollout.prompts_per_shard * rate
 
     def batch(self, progress: Progress) -> int:
@@ -227,18 +240,20 @@ class Flow:
         rc = self.ctx.cfg.rollout
         if self.ctx.once:
             share = worker_share(self.ctx.cfg.learner.batch_prompts, self.ctx.workers)
-            room = share - (self.round_kept if self.exact else 0)
+            room = share - (self.round_kept if self.exact
+                            else self.round_groups * self.round_rate)
         else:
             room = self.cap(progress) - self.backlog(progress)
         return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards)
 
-    def round_done(self, written: int) -> bool:
-        """`--once`: this worker wrote its share of one step (kept groups when known)."""
+    def round_done(self) -> bool:
+        """`--once`: this worker wrote its share of one step: kept groups when known, else
+        groups that the keep rate so far expects to yield as many kept ones."""
         cfg = self.ctx.cfg
         share = worker_share(cfg.learner.batch_prompts, self.ctx.workers)
         if self.exact:
             return self.round_kept >= share
-        return written * cfg.rollout.prompts_per_shard >= share
+        return self.round_groups * self.round_rate >= share
 
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:

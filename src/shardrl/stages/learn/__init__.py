@@ -12,6 +12,12 @@ next commit, before DONE.json and before it exits. The weights and optimizer sta
 serialized before the next update changes them. A crash can lose only the commit in flight,
 which a restart redoes from the previous progress.json, as before.
 
+With `--once` (the synchronous pipeline: one learner process per round, started after the
+round's rollout, score and prepare have finished) the learner makes one step on what the round
+brought, even when zero-variance filtering kept fewer than `batch_prompts` groups, and
+checkpoints its optimizer state at every step, so the next round's process continues exactly
+where this one stopped.
+
 Under `torchrun` (DeepSpeed with `learner.backend.ranks > 1`) rank 0 is the leader: it alone
 lists, admits, logs and writes to the store. Before each update it broadcasts the step's plan
 (the shards that make the batch, the version, the KL coefficient); the other ranks read those

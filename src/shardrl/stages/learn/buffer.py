@@ -89,6 +89,17 @@ class ReadyBuffer:
                     return [(key, t, self.outcome(key, version, k)) for key, t in self.items[:n]]
         return None
 
+    def whole(self, version: int, k: int) -> Batch | None:
+        """Every buffered shard as one batch, when any of them can be admitted; None if none.
+
+        A `--once` round starts after the stages that feed it have finished, so what the
+        buffer holds is all the round will get: a step takes it even when filtering kept
+        fewer than `batch_prompts` groups (none kept: the shards are committed as filtered
+        without a step), rather than waiting for groups that will not come.
+        """
+        batch = [(key, table, self.outcome(key, version, k)) for key, table in self.items]
+        return batch if any(outcome == "admitted" for _, _, outcome in batch) else None
+
     def stale(self, version: int, k: int) -> Batch:
         """The buffered shards too old for `version`, as a batch of drops."""
         return [(key, table, "stale") for key, table in self.items

@@ -46,14 +46,14 @@ class Learner:
         self.kl = get_kl_controller(controller.kind)(**controller.model_dump(exclude={"kind"}))
         if state.kl:
             self.kl.load_state_dict(state.kl)
-        self.dtype = publish_dtype(cfg)
-        """Dtype of the published versions."""
-        self.published: dict | None = None
-        """The leader's copy of the last published version (what the next delta is against)."""
         self.restart: LearnerRestart | None = None
         """How this process resumed, recorded with its first commit (replay repeats it)."""
         self.threads: list[int] = []
         """Torch threads of the last update's forward and backward (see `LedgerDelta`)."""
+        self.dtype = publish_dtype(cfg)
+        """Dtype of the published versions."""
+        self.published: dict | None = None
+        """The leader's copy of the last published version (what the next delta is against)."""
         self.backend = self._resume_backend()
         self.leader = self.backend.rank == 0
         self.in_step = False
@@ -126,7 +126,10 @@ class Learner:
         ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
         while self.version < lc.total_steps:
             new = buffer.poll(self.version)
-            if (batch := buffer.next_batch(self.version, self.k(), lc.batch_prompts)) is not None:
+            batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
+            if batch is None and ctx.once:  # the round's inputs are all in: step on them
+                batch = buffer.whole(self.version, self.k())
+            if batch is not None:
                 self.step(batch)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
@@ -137,7 +140,7 @@ class Learner:
             elif new:
                 if not self.cfg.inline_postprocess:
                     self.writer.submit(buffer.counts().write, ctx.store, ctx.keys.buffered())
-            elif ctx.once and ctx.done():
+            elif (ctx.once and ctx.done()) or ctx.aborted() is not None:
                 return 0
             else:
                 buffer.wait(lc.poll_interval_s)
@@ -213,7 +216,9 @@ class Learner:
         if not stepped:
             return None, {}
         self.version += 1
-        due = self.version % self.cfg.learner.ckpt_every == 0
+        # a `--once` learner is a new process each round: its optimizer state must reach the
+        # next round's, so every round that steps checkpoints it
+        due = self.version % self.cfg.learner.ckpt_every == 0 or self.ctx.once
         return ranks.gather(self.backend, self.model, self.leader, due, self.dtype)
 
     def commit(self, batch: Batch, stepped: bool, beta: float | None = None,

@@ -1,0 +1,107 @@
+"""`--once` rounds chain exactly, with zero-variance filtering on.
+
+The synchronous pipeline starts a new learner process per round. Here the same rounds run
+twice from one snapshot: once with a new learner each round (as the pipeline does), once with
+one learner kept in memory across the rounds (a continuous run). With every round's optimizer
+state checkpointed and reloaded, both publish the same weights at every version and end with
+the same Adam state. Scoring and preparing run as stages, so a rollout round cannot count the
+groups filtering will keep: each round's learner takes what the round brought, and a round
+whose groups were all filtered commits them without a step instead of waiting for more.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pyarrow.compute as pc
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from shardrl.learner_backends.base import STEP_KEY
+from shardrl.orchestrate.accounting import account
+from shardrl.stages.checkpoint import latest_checkpoint
+from shardrl.stages.context import MetricsSink, StageContext
+from shardrl.stages.learn import Learner
+from shardrl.stages.learn.ranks import BACKEND_STATE
+from shardrl.stages.policy import fetch_weights
+from shardrl.store import LocalStore, RunKeys
+from shardrl.store.records import LedgerDelta, Progress
+from shardrl.store.schemas import READY
+from shardrl.store.shards import read_shard
+
+from .rounds import one_thread, run_round, tiny_config
+
+pytestmark = pytest.mark.slow
+
+ROUNDS, B, G = 5, 2, 2
+BASE = """\
+extends: demo
+name: rounds
+task:
+  source: {kind: builtin, heldout_size: 16}
+"""
+SETTINGS = ("model.sft.enabled=true", "rollout.workers=1", "rollout.postprocess=stages",
+            f"rollout.group_size={G}", f"rollout.prompts_per_shard={B}",
+            f"learner.batch_prompts={B}", f"learner.total_steps={ROUNDS}",
+            "learner.ckpt_every=100", "learner.warmup_steps=1", "learner.max_staleness=0",
+            "eval.every=2", "algo.filters.zero_variance=true")
+"""Groups of two samples, so filtering removes about half of them; a checkpoint interval
+longer than the run, so only the `--once` rule checkpoints."""
+
+
+def commits(store: LocalStore, keys: RunKeys) -> list[tuple[bool, int]]:
+    """(stepped, prompt groups kept by filtering among its admitted shards) of each commit."""
+    out = []
+    for key in sorted(store.list(keys.ledger_prefix())):
+        delta = LedgerDelta.read(store, key)
+        tables = [read_shard(store, e.key, READY) for e in delta.shards if e.outcome == "admitted"]
+        out.append((delta.stepped, sum(len(pc.unique(t.filter(t.column("keep")).column("group_id")))
+                                       for t in tables)))
+    return out
+
+
+def test_once_rounds_carry_the_optimizer_state_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(tmp_path, base=BASE, overrides=SETTINGS)
+    run_id = "sync"
+    keys = RunKeys(run_id)
+    chained, continuous = LocalStore(tmp_path / "chained"), LocalStore(tmp_path / "continuous")
+    with one_thread():
+        run_round(chained, cfg, run_id, "snapshot")  # SFT: rewards differ within groups
+        shutil.copytree(tmp_path / "chained", tmp_path / "continuous")
+        ctx = StageContext(stage="learn", cfg=cfg, run_id=run_id, store=continuous, once=True,
+                           log=logging.getLogger("rounds.learn"))
+        ctx.metrics = MetricsSink(continuous, keys, "learn", 0)
+        learner = Learner(ctx)  # one learner, kept across the rounds
+        for _ in range(ROUNDS):
+            for stage in ("rollout", "score", "prepare"):
+                run_round(chained, cfg, run_id, stage)
+                run_round(continuous, cfg, run_id, stage)
+            run_round(chained, cfg, run_id, "learn")  # a new learner each round
+            assert learner._lead() == 0
+            learner.writer.wait()
+        learner.writer.close()
+
+    # every round committed what it brought, once: none waited for a full batch of kept
+    # groups. A round whose groups were all filtered commits them without a step; the others
+    # step, on fewer than B kept groups if that is what the round brought.
+    made = commits(chained, keys)
+    assert made == commits(continuous, keys)
+    assert len(made) == ROUNDS, made
+    assert all(stepped == (kept > 0) for stepped, kept in made), made
+    steps = Progress.read(chained, keys.progress()).version
+    assert steps == sum(stepped for stepped, _ in made) >= 2, made  # state to carry over
+    acc = account(chained, keys)
+    assert acc.balanced and acc.filtered > 0, acc.line()
+    # the same weights at every version: each round's learner resumed the optimizer exactly
+    for version in range(1, steps + 1):
+        a, b = fetch_weights(chained, keys, version), fetch_weights(continuous, keys, version)
+        assert all(torch.equal(a[name], b[name]) for name in a), version
+    assert latest_checkpoint(chained, keys) == steps
+    state = st_load(chained.get_bytes(keys.learner_file(steps, f"{BACKEND_STATE}.safetensors")))
+    live = learner.backend.state_dict()
+    assert state.keys() == live.keys()
+    assert all(torch.equal(state[name], live[name]) for name in state)
+    assert float(live[STEP_KEY]) == steps  # Adam's step count: every round's step
