@@ -44,6 +44,7 @@ def log_policy(c, experiment_id: str, mlflow_run: str, folder: Path, name: str,
     `mlflow_run`; returns its `ModelInfo` (`model_uri`, `model_id`)."""
     import mlflow.transformers
     from huggingface_hub import ModelCard
+    from mlflow.entities import LoggedModelOutput
     from mlflow.models import infer_signature
 
     from ..models.io import load_causal_lm, load_tokenizer
@@ -60,8 +61,12 @@ def log_policy(c, experiment_id: str, mlflow_run: str, folder: Path, name: str,
                      + ", ".join(f"{k}={v}" for k, v in sorted(tags.items())) + "\n")
     signature = infer_signature(["prompt"], ["response"],
                                 params={"max_new_tokens": 64, "do_sample": False})
-    return mlflow.transformers.log_model(
+    # Without run_id: given one, the flavor also copies every metric the run has at step 0
+    # onto the model, which fails on the run's repeated points. The model records its run
+    # (source_run_id above); the run lists it as an output here.
+    info = mlflow.transformers.log_model(
         {"model": model, "tokenizer": tokenizer}, name=name, task=TASK, model_id=logged.model_id,
-        run_id=mlflow_run, model_card=card, signature=signature,
-        pip_requirements=requirements(),
+        model_card=card, signature=signature, pip_requirements=requirements(),
     )
+    c.log_outputs(mlflow_run, models=[LoggedModelOutput(logged.model_id, step=0)])
+    return info
