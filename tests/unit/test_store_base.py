@@ -114,8 +114,8 @@ def test_open_store_dispatches_on_the_uri(tmp_path, monkeypatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "SHARDRL_AWS_ACCESS_KEY_ID",
                  "SHARDRL_AWS_SECRET_ACCESS_KEY", "S3_ENDPOINT_URL", "SHARDRL_S3_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(PermanentStoreError, match="no credentials for bucket 'b'"):
-        open_store("s3://b/p")
+    with pytest.raises(PermanentStoreError, match="no credentials for bucket 'bkt'"):
+        open_store("s3://bkt/p")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "plain-id")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     monkeypatch.setenv("S3_ENDPOINT_URL", "http://plain:1")
