@@ -88,7 +88,8 @@ def _client(tmp: Path):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(registry):
+def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(registry,
+                                                                             monkeypatch):
     import mlflow
     import torch
 
@@ -100,6 +101,9 @@ def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(
     assert mv.tags["shardrl.policy_version"] == "5"
     assert float(mv.tags["eval.pass_at_1"]) == 0.5
     assert len(mv.tags["shardrl.config_hash"]) == 12
+    # set_tracking_uri exports MLFLOW_TRACKING_URI too: monkeypatch puts it back afterwards,
+    # or later tests' runs would log here
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp}/mlflow.db")
     mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
     local = Path(mlflow.artifacts.download_artifacts(f"models:/promo-test/{mv.version}",
                                                      dst_path=str(tmp / "download")))
