@@ -352,6 +352,7 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from trl import GRPOConfig, GRPOTrainer
 
     from bench.demo_control import heldout_pass
+    from shardrl.algo import lr_schedule
     from shardrl.config import load_config
     from shardrl.models.io import load_causal_lm, load_tokenizer
     from shardrl.tasks.prompts import PromptFormat
@@ -380,8 +381,7 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
             per_device_train_batch_size=lc.batch_prompts * ro.group_size,
             gradient_accumulation_steps=1, num_generations=ro.group_size, num_iterations=1,
             max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-            top_k=0, learning_rate=lc.lr, lr_scheduler_type="constant_with_warmup",
-            warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, adam_beta1=lc.beta1,
+            top_k=0, learning_rate=lc.lr, weight_decay=lc.weight_decay, adam_beta1=lc.beta1,
             adam_beta2=lc.beta2, max_grad_norm=lc.grad_clip or 0.0, beta=0.0,
             scale_rewards=TRL_SCALE[cfg.algo.advantages.norm], max_steps=100 * lc.total_steps,
             shuffle_dataset=False, seed=cfg.seed, report_to="none", save_strategy="no",
@@ -390,6 +390,13 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
         trainer = GRPOTrainer(model=model, reward_funcs=verifier_reward(task.verify), args=args,
                               train_dataset=data, processing_class=tokenizer,
                               callbacks=[callback])
+        # the run config's schedule over its optimizer steps (warmup, then constant or cosine
+        # held at its floor from total_steps on), the same multiplier ShardRL's learner uses
+        trainer.create_optimizer()
+        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            trainer.optimizer, lambda step: lr_schedule(
+                step, warmup_steps=lc.warmup_steps, total_steps=lc.total_steps,
+                kind=lc.schedule, min_ratio=lc.min_lr_ratio))
         started = callback.elapsed()
         trainer.train()
     steps = trainer.state.global_step
