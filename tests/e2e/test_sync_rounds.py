@@ -6,7 +6,8 @@ one learner kept in memory across the rounds (a continuous run). With every roun
 state checkpointed and reloaded, both publish the same weights at every version and end with
 the same Adam state. Scoring and preparing run as stages, so a rollout round cannot count the
 groups filtering will keep: each round's learner takes what the round brought, and a round
-whose groups were all filtered commits them without a step instead of waiting for more.
+whose groups were all filtered publishes the previous weights unchanged as its version
+instead of waiting for more, so every round makes one version.
 """
 
 from __future__ import annotations
@@ -85,14 +86,21 @@ def test_once_rounds_carry_the_optimizer_state_exactly(tmp_path, monkeypatch):
         learner.writer.close()
 
     # every round committed what it brought, once: none waited for a full batch of kept
-    # groups. A round whose groups were all filtered commits them without a step; the others
-    # step, on fewer than B kept groups if that is what the round brought.
+    # groups. Every round made one version; a round whose groups were all filtered made it
+    # without an update (its weights are the previous version's), the others stepped, on
+    # fewer than B kept groups if that is what the round brought.
     made = commits(chained, keys)
     assert made == commits(continuous, keys)
-    assert len(made) == ROUNDS, made
-    assert all(stepped == (kept > 0) for stepped, kept in made), made
+    assert len(made) == ROUNDS and all(stepped for stepped, _ in made), made
     steps = Progress.read(chained, keys.progress()).version
-    assert steps == sum(stepped for stepped, _ in made) >= 2, made  # state to carry over
+    assert steps == ROUNDS
+    updates = sum(kept > 0 for _, kept in made)
+    assert updates >= 2, made  # state to carry over
+    for version, (_, kept) in enumerate(made, start=1):
+        if kept == 0:
+            before, now = fetch_weights(chained, keys, version - 1), fetch_weights(chained, keys,
+                                                                                   version)
+            assert all(torch.equal(before[n], now[n]) for n in now), version
     acc = account(chained, keys)
     assert acc.balanced and acc.filtered > 0, acc.line()
     # the same weights at every version: each round's learner resumed the optimizer exactly
@@ -104,4 +112,28 @@ def test_once_rounds_carry_the_optimizer_state_exactly(tmp_path, monkeypatch):
     live = learner.backend.state_dict()
     assert state.keys() == live.keys()
     assert all(torch.equal(state[name], live[name]) for name in state)
-    assert float(live[STEP_KEY]) == steps  # Adam's step count: every round's step
+    assert float(live[STEP_KEY]) == updates  # Adam's step count: the rounds that updated
+
+
+def test_a_round_whose_groups_are_all_filtered_still_makes_its_version(tmp_path, monkeypatch):
+    """An untrained model answers every prompt wrong: every group has equal rewards and is
+    filtered. Each round still publishes one version (the weights unchanged), so the run
+    reaches total_steps and writes DONE.json instead of ending short."""
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(tmp_path, base=BASE, overrides=(
+        *SETTINGS[1:], "model.sft.enabled=false", "learner.total_steps=2"))
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("filtered")
+    with one_thread():
+        run_round(store, cfg, "filtered", "snapshot")
+        for _ in range(2):
+            for stage in ("rollout", "score", "prepare", "learn"):
+                run_round(store, cfg, "filtered", stage)
+    made = commits(store, keys)
+    assert made == [(True, 0), (True, 0)]
+    progress = Progress.read(store, keys.progress())
+    assert progress.version == 2 and progress.counts["unchanged_versions"] == 2
+    assert progress.counts["consumed"] == 0 and progress.counts["filtered"] > 0
+    v0, v2 = fetch_weights(store, keys, 0), fetch_weights(store, keys, 2)
+    assert all(torch.equal(v0[n], v2[n]) for n in v2)
+    assert store.exists(keys.done())
+    assert account(store, keys).balanced

@@ -66,6 +66,8 @@ class TorchLearnerBackend:
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         step = state[STEP_KEY].to(torch.float32)
+        if float(step) == 0:  # saved before the first update: no moments yet
+            return
         missing = []
         for part, module in self.parts.items():
             for name, param in module.named_parameters():

@@ -150,8 +150,15 @@ class Learner:
         ctx.log.info("done: %d steps, %s", self.version, dict(self.ledger.counts))
         return 0
 
-    def step(self, batch: Batch) -> None:
-        """One update on the admitted shards of `batch`, then the batch's commit."""
+    def step(self, batch: Batch, every_round: bool | None = None) -> None:
+        """One update on the admitted shards of `batch`, then the batch's commit.
+
+        `every_round` (default: a `--once` round) publishes a version even when no update
+        was applied (every row filtered, or a non-finite loss): the version is the previous
+        weights unchanged, so each round of the synchronous pipeline makes exactly one
+        version and the run reaches `total_steps`.
+        """
+        every_round = self.ctx.once if every_round is None else every_round
         started, cpu_started = time.monotonic(), time.thread_time()
         admitted = [(key, table) for key, table, outcome in batch if outcome == "admitted"]
         table = pa.concat_tables([t for _, t in admitted])
@@ -168,7 +175,9 @@ class Learner:
             self.ledger.counts["skipped_steps"] += int(len(kept) > 0)
         self.ledger.lags(self.version, table)
         updated = self.profile.updated(started, cpu_started)
-        self.commit(batch, stepped=applied, beta=beta, threads=self.threads)
+        if every_round and not applied:
+            self.ledger.counts["unchanged_versions"] += 1
+        self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads)
         self.in_step = False
         tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
         metrics.update(
@@ -252,5 +261,5 @@ class Learner:
                                       for key in plan.shards])
             self.version = plan.version
             applied, _ = self.update(table.filter(table.column("keep")), plan.beta)
-            self.advance(applied)
+            self.advance(applied or self.ctx.once)  # as the leader's `step` does
         return 0

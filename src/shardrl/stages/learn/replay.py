@@ -186,7 +186,7 @@ class Replay:
                 return self._diverged(f"v{at}: KL coefficient {learner.kl.beta!r}, the run "
                                       f"used {delta.beta!r}")
             learner.ctx.cores.use(delta.threads)
-            learner.step(batch)
+            learner.step(batch, every_round=delta.stepped)  # a `--once` round always stepped
             stepped = learner.version > at
             if stepped != delta.stepped and not self.overrides:
                 return self._diverged(f"v{at}: the step was {'applied' if stepped else 'skipped'}"
