@@ -95,7 +95,8 @@ class ReadyBuffer:
         A `--once` round starts after the stages that feed it have finished, so what the
         buffer holds is all the round will get: a step takes it even when filtering kept
         fewer than `batch_prompts` groups (none kept: the shards are committed as filtered
-        without a step), rather than waiting for groups that will not come.
+        and the round's version is the previous weights, see `Learner.step`), rather than
+        waiting for groups that will not come.
         """
         batch = [(key, table, self.outcome(key, version, k)) for key, table in self.items]
         return batch if any(outcome == "admitted" for _, _, outcome in batch) else None
