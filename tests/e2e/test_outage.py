@@ -71,6 +71,14 @@ def test_outages_short_ridden_out_long_fails_clearly_and_resumes(tmp_path, serve
     wait_for(lambda: version(store, run_id) >= 5, 300, "learner version 5")
     assert proc.poll() is None and "restarting" not in out.read_text()
     logs = tmp_path / ".shardrl" / "runs" / run_id / "logs"
+
+    def outage_ended(name: str) -> bool:
+        """A stage logs the end of the outage at its first store call that succeeds, which
+        an idle stage (evaluate between versions) makes up to a backoff delay later."""
+        log = (logs / f"{name}.log").read_text()
+        return "unavailable" not in log or "available again" in log
+
+    wait_for(lambda: all(outage_ended(name) for name in STAGED), 30, "every stage's outage end")
     for name in STAGED:
         log = (logs / f"{name}.log").read_text()
         began = re.findall(rf"object store .* unavailable .*; retrying for up to {DEADLINE_S} s",
