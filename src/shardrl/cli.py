@@ -146,5 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(args) or 0)
 
 
+_READ_ONLY = frozenset({"config", "doctor", "report", "samples"})
+"""Commands that only read and print: they leave without the interpreter's teardown."""
+
+
+def entry() -> None:
+    """The `shardrl` command. A command in `_READ_ONLY` exits at once when done, after
+    flushing its output: Arrow's worker threads can abort the interpreter's teardown once in
+    a while ("terminate called without an active exception", exit -6, apache/arrow#34314),
+    after the work is complete; these commands hold nothing a teardown would still save."""
+    code = main()
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if command in _READ_ONLY:
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
