@@ -3,17 +3,20 @@ under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pic
 
 from __future__ import annotations
 
+import torch
+from safetensors.torch import save as st_save
+
 from ..store import RunKeys, Store
 from ..store.keys import folder_number
 from ..store.records import CheckpointPointer
 
 
-def save_checkpoint(store: Store, keys: RunKeys, step: int, files: dict[str, bytes],
-                    keep: int) -> None:
-    """Write `files` (name -> safetensors bytes) under learner/ckpt-<step>/, then move
-    LATEST to it and delete all but the newest `keep` checkpoints."""
-    for name, data in files.items():
-        store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), data)
+def save_checkpoint(store: Store, keys: RunKeys, step: int,
+                    files: dict[str, dict[str, torch.Tensor]], keep: int) -> None:
+    """Write `files` (name -> tensors, each as safetensors) under learner/ckpt-<step>/, then
+    move LATEST to it and delete all but the newest `keep` checkpoints."""
+    for name, tensors in files.items():
+        store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), st_save(tensors))
     CheckpointPointer(step=step).write(store, keys.latest_learner())
     _prune(store, keys, step, keep)
 

@@ -33,6 +33,9 @@ class ReadyBuffer:
         self.arrivals = ctx.store.watch(ctx.keys.kind_prefix("ready"))
         self.items: list[tuple[str, pa.Table]] = []
         """(key, table) of read shards not yet committed, oldest version first."""
+        self.tallies: dict[str, tuple[int, int, int]] = {}
+        """(worker, prompt groups, groups kept by filtering) of each buffered shard, counted
+        once when it is read (`counts` runs at every commit, over the whole buffer)."""
         self.waiting = False
         """Whether the learner waited for data just before the current read."""
 
@@ -57,6 +60,8 @@ class ReadyBuffer:
         if self.waiting:
             self.profile.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
         self.items.append((key, table))
+        self.tallies[key] = (parse_shard_key(key).worker,
+                             len(pc.unique(table.column("group_id"))), kept_groups(table))
 
     def wait(self, timeout: float) -> None:
         """Wait for a new ready shard (or `timeout`)."""
@@ -109,14 +114,15 @@ class ReadyBuffer:
     def remove(self, batch: Batch) -> None:
         gone = {key for key, _, _ in batch}
         self.items = [(key, table) for key, table in self.items if key not in gone]
+        for key in gone:
+            self.tallies.pop(key, None)
 
     def counts(self) -> Buffered:
         """Prompt groups (all, and kept by filtering) per rollout worker in the buffer: what
         rollout workers that cannot count kept groups themselves (score and prepare run as
         stages) read for their flow control."""
         groups, kept = Counter(), Counter()
-        for key, table in self.items:
-            w = parse_shard_key(key).worker
-            groups[w] += len(pc.unique(table.column("group_id")))
-            kept[w] += kept_groups(table)
+        for w, n_groups, n_kept in self.tallies.values():
+            groups[w] += n_groups
+            kept[w] += n_kept
         return Buffered(groups_by_worker=dict(groups), kept_groups_by_worker=dict(kept))

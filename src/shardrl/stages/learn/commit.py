@@ -88,8 +88,8 @@ class Commit:
     """The published weights of the version before, which a delta is taken against."""
     full_every: int = 1
     """`learner.publish.full_every`."""
-    checkpoint: dict[str, bytes] = field(default_factory=dict)
-    """Checkpoint files (name -> safetensors bytes) when one is due."""
+    checkpoint: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Checkpoint files (name -> tensors, serialized by `write`) when one is due."""
     buffered: Buffered | None = None
     """Groups read and not committed (rollout workers that cannot count kept groups)."""
     beta: float | None = None

@@ -219,7 +219,7 @@ class Learner:
         metrics.update(grad_norm=grad_norm, lr=lc.lr * scale)
         return applied, metrics
 
-    def advance(self, stepped: bool) -> tuple[bytes | None, dict[str, bytes]]:
+    def advance(self, stepped: bool) -> tuple[ranks.State | None, dict[str, ranks.State]]:
         """After an applied step: the next version, its weights and any checkpoint due
         (collective: every rank calls it in the same order)."""
         if not stepped:

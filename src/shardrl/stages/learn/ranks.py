@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save as st_save
 
 from ...learner_backends import Backend
 from ...models.delta import publish_state
-from ...models.io import state_dict_bytes
 
 BACKEND_STATE, CRITIC, MASTERS = "backend", "critic", "policy"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights,
@@ -41,27 +39,33 @@ def end(backend: Backend) -> None:
     backend.broadcast_json(None)
 
 
+State = dict[str, torch.Tensor]
+
+
 def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: torch.dtype,
-           ) -> tuple[dict[str, torch.Tensor] | None, dict[str, bytes]]:
+           ) -> tuple[State | None, dict[str, State]]:
     """The collective part of an applied step's commit, on every rank in the same order.
 
     The full weights are gathered and copied in the publish `dtype`; when a checkpoint is
     due, the backend's full optimizer state (and the critic's weights) too, as checkpoint
     files, and the float32 master weights when `dtype` is narrower (a learner resumed at that
-    version continues from them). Returns (weights, checkpoint files) for the leader to
-    write; (None, {}) on the other ranks.
+    version continues from them). Every tensor is a copy, so the leader's writer serializes
+    them off the step's path while the next update runs. Returns (weights, checkpoint files
+    as name -> tensors) for the leader to write; (None, {}) on the other ranks.
     """
     weights, files = None, {}
     with backend.gathered():
         if leader:
             weights = publish_state(model, dtype)
             if checkpoint_due and dtype != torch.float32:
-                files[MASTERS] = st_save(publish_state(model, torch.float32))
+                files[MASTERS] = publish_state(model, torch.float32)
     if checkpoint_due:
         state = backend.state_dict()
         if backend.critic is not None:
             with backend.gathered():
-                critic = state_dict_bytes(backend.critic.critic) if leader else b""
+                critic = ({k: t.detach().to("cpu", copy=True)  # tied weights: one copy each
+                           for k, t in backend.critic.critic.state_dict().items()}
+                          if leader else {})
             files[CRITIC] = critic
-        files[BACKEND_STATE] = st_save(state) if leader else b""
+        files[BACKEND_STATE] = state if leader else {}
     return (weights, files) if leader else (None, {})
