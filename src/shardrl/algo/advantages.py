@@ -92,9 +92,14 @@ def gae(
     `A_t = delta_t + gamma*lam*A_{t+1}`, with V and A taken as 0 after a sample's last
     response token. Returns (advantages (B, T), returns = advantages + values (B, T)), both
     zero where mask is 0. Whiten separately with `masked_whiten` if wanted.
+
+    The recursion runs over the positions where mask is 1 only: in a multi-turn episode the
+    environment's tokens (mask 0) between two policy turns are skipped, so "t+1" is the next
+    token the policy generated, and rewards placed on masked positions are ignored.
     """
     with torch.no_grad():
         m = as_weights(mask, values)
+        keep = m > 0  # (B, T)
         r = rewards.detach() * m
         v = values.detach() * m
         next_value = torch.zeros_like(v[:, 0])  # (B,)
@@ -102,11 +107,23 @@ def gae(
         steps: list[Tensor] = []
         for t in range(v.shape[1] - 1, -1, -1):
             delta = r[:, t] + gamma * next_value - v[:, t]
-            next_adv = (delta + gamma * lam * next_adv) * m[:, t]
-            next_value = v[:, t]
-            steps.append(next_adv)
+            adv = delta + gamma * lam * next_adv
+            next_adv = torch.where(keep[:, t], adv, next_adv)  # masked: carried across
+            next_value = torch.where(keep[:, t], v[:, t], next_value)
+            steps.append(adv * m[:, t])
         advantages = torch.stack(steps[::-1], dim=1)  # (B, T)
         return advantages, (advantages + v) * m
+
+
+def last_masked(mask: Tensor) -> Tensor:
+    """(B, T) -> (B,) int64: each row's last position where mask is nonzero (0 for none):
+    a single response's last token, a multi-turn episode's last policy token."""
+    width = mask.shape[-1]
+    if width == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    on = mask != 0  # (B, T)
+    last = width - 1 - on.flip(-1).int().argmax(-1)  # (B,)
+    return torch.where(on.any(-1), last, torch.zeros_like(last))
 
 
 @register_advantage_estimator("group")
@@ -144,12 +161,12 @@ def _gae_estimator(
 ) -> tuple[Tensor, Tensor]:
     """`gae` on token rewards; `group_ids` is unused.
 
-    rewards: (B, T), or (B,) placed on each sample's last response token. values: (B, T).
+    rewards: (B, T), or (B,) placed on each sample's last token where mask is 1. values: (B, T).
     """
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values (B, T)")
     if rewards.dim() == 1:
-        last = (as_weights(mask, values).sum(-1).long() - 1).clamp_min(0).unsqueeze(-1)  # (B, 1)
+        last = last_masked(mask).unsqueeze(-1)  # (B, 1)
         per_sample = rewards.to(values.dtype).unsqueeze(-1)  # (B, 1)
         rewards = torch.zeros_like(values).scatter(1, last, per_sample)  # (B, T)
     return gae(rewards, values, mask, gamma, lam)

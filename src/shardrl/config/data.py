@@ -13,8 +13,10 @@ class BuiltinTask(Section):
     """A verifiable task whose prompts are generated in code (no downloads)."""
 
     kind: Literal["builtin"] = "builtin"
-    name: Literal["cipher", "addition"] = "cipher"
-    """'cipher': shift each letter of a word one place; 'addition': sums of numbers up to 999."""
+    name: Literal["cipher", "addition", "calculator", "guess"] = "cipher"
+    """'cipher': shift each letter of a word one place; 'addition': sums of numbers up to 999;
+    'calculator': word problems solved with the `calc(expr)` tool; 'guess': find a number
+    from higher/lower replies (the last two are episodes: set `task.environment`)."""
     demo_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of SFT demonstrations with one wrong character, as an imperfect demonstrator
     writes them (the verifier used by RL is never wrong)."""
@@ -93,6 +95,18 @@ class TaskConfig(Section):
     chat template). Rollout, evaluation and SFT format prompts the same way."""
     system_prompt: str | None = None
     """System message placed before the prompt (`prompt_format: chat` only)."""
+    environment: str | None = Field(None, min_length=1, max_length=200)
+    """Environment the policy acts in over `rollout.max_turns` turns: a registered name
+    ('calculator', 'guess') or `package.module:Class` (`tasks.environments`). The episode's
+    reward is the sum of its turns' rewards. None: one response per sample, verified."""
+
+    @model_validator(mode="after")
+    def _episode_tasks_need_an_environment(self) -> TaskConfig:
+        name = getattr(self.source, "name", None)
+        if name in ("calculator", "guess") and self.environment is None:
+            raise ValueError(f"task '{name}' is played in an environment: set "
+                             f"`task.environment: {name}`")
+        return self
 
     @model_validator(mode="after")
     def _system_prompt_needs_chat(self) -> TaskConfig:

@@ -94,6 +94,11 @@ class RunConfig(Section):
                 "tiny model's character tokenizer has none: set `task.prompt_format: raw` or "
                 "`model.source: {kind: pretrained, path: ...}` with a chat model"
             )
+        if self.rollout.max_turns > 1 and self.task.environment is None:
+            errors.append(
+                f"`rollout.max_turns` is {self.rollout.max_turns} but there is no environment "
+                "to answer the turns: set `task.environment` (e.g. calculator) or "
+                "`rollout.max_turns: 1`")
         if self.rollout.postprocess == "inline" and (reason := self.inline_blocker()):
             errors.append(f"`rollout.postprocess: inline` {reason}: set "
                           "`rollout.postprocess: stages` (or auto)")

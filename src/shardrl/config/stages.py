@@ -26,6 +26,9 @@ class RolloutConfig(Section):
     """Nucleus sampling."""
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Response length limit; a response hitting it has finish_reason 'length'."""
+    max_turns: int = Field(1, ge=1, le=1024)
+    """Policy turns of an episode in `task.environment` (`max_new_tokens` each); the
+    environment's reply follows each turn. 1 without an environment: single responses."""
     max_backlog_steps: int = Field(1, ge=0, le=100_000)
     """Flow control in the unit the learner consumes: a worker pauses while the prompt groups
     kept by filtering that it wrote and the learner has not yet committed fill this many

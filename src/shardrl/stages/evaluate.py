@@ -113,15 +113,21 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     items = task.heldout
     n = cfg.eval.samples_per_prompt
     started = time.monotonic()
+    from .episodes import episode_runner
+
+    sampling = dict(temperature=cfg.eval.temperature, top_p=1.0,
+                    max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
+    episodes = episode_runner(ctx, engine)  # multi-turn: the environment's return is the reward
     with ctx.cores.busy():
-        groups = engine.engine.generate(engine.encode([it.prompt for it in items]), n,
-                                        temperature=cfg.eval.temperature, top_p=1.0,
-                                        max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
+        prompt_ids = engine.encode([it.prompt for it in items])
+        groups = (engine.engine.generate(prompt_ids, n, **sampling) if episodes is None
+                  else episodes.run(items, prompt_ids, n, **sampling))
     cols: dict[str, list] = {name: [] for name in EVAL.names}
     for item, samples in zip(items, groups, strict=True):
         for j, s in enumerate(samples):
             text = engine.decode(s.token_ids)
-            reward = float(task.verify(text, item.answer))
+            reward = (float(task.verify(text, item.answer)) if episodes is None
+                      else s.episode_return)
             cols["policy_version"].append(version)
             cols["prompt_id"].append(item.prompt_id)
             cols["category"].append(item.category)

@@ -21,7 +21,7 @@ from ..store.keys import shard_name
 from ..store.records import PassRateSnapshot, PrepareState, Progress, RetiredChange
 from ..store.schemas import READY, SCORED
 from ..store.shards import read_shard, write_shard
-from .batch import padded_column
+from .batch import POLICY_MASK, padded_column
 from .context import StageContext
 from .scan import Scanner, output_names, process_shards
 
@@ -256,6 +256,9 @@ class Preparer:
         width = min(behaviour.shape[1], ref.shape[1])
         lengths = torch.tensor([len(r) for r in table.column("response_token_ids").to_pylist()])
         mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        if POLICY_MASK in table.column_names:  # episodes: the environment's tokens are out
+            policy = torch.from_numpy(padded_column(table, POLICY_MASK))[:, :width]
+            mask[:, : policy.shape[1]] *= policy
         kl = kl_penalty(behaviour[:, :width], ref[:, :width], self.ctx.cfg.algo.kl.estimator)
         return (kl * mask).sum(-1)
 

@@ -15,6 +15,7 @@ from ..store.shards import write_shard
 from ..tasks.source import make_task
 from .context import StageContext
 from .engine import PolicyEngine
+from .episodes import episode_metrics, episode_runner, with_episode_columns
 from .staleness import (
     backlog_cap,
     batch_shards,
@@ -47,6 +48,7 @@ def main(ctx: StageContext) -> int:
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
+    episodes = episode_runner(ctx, engine)  # None: single responses
     paused, skipped = False, 0
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
@@ -91,9 +93,14 @@ def main(ctx: StageContext) -> int:
             started = time.monotonic()
             with ctx.cores.busy():
                 prompt_ids = engine.encode([it.prompt for _, items in shards for it in items])
-                groups = engine.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
-                                                top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
-                                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + first)
+                sampling = dict(temperature=rc.temperature, top_p=rc.top_p,
+                                max_new_tokens=rc.max_new_tokens,
+                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + first)
+                if episodes is None:
+                    groups = engine.engine.generate(prompt_ids, rc.group_size, **sampling)
+                else:
+                    groups = episodes.run([it for _, items in shards for it in items],
+                                          prompt_ids, rc.group_size, **sampling)
             seconds = time.monotonic() - started
             if last is not None:
                 last.result()  # the previous batch is stored (or its error surfaces here)
@@ -334,7 +341,9 @@ def _table(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list
             cols["answer"].append(item.answer)
             cols["category"].append(item.category)
             cols["created_at"].append(now)
-    return pa.table(cols)
+    if ctx.cfg.task.environment is None:
+        return pa.table(cols)
+    return with_episode_columns(pa.table(cols), [s for samples in groups for s in samples])
 
 
 def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float,
@@ -354,4 +363,4 @@ def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: floa
         "samples": float(len(lengths)),
         "busy_fraction": flow.busy_fraction(),
         "busy_s": flow.busy_s,
-    })
+    } | episode_metrics(table))

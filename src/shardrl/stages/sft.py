@@ -35,7 +35,12 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]],
     return [fmt.encode_pair(tokenizer, prompt, answer) for prompt, answer in pairs]
 
 
-def _batch(rows: list[tuple[list[int], int]], pad: int):
+Row = tuple[list[int], "int | list[int]"]
+"""Token ids and what to learn of them: the index where the answer starts, or (an episode) a
+0/1 mask over the ids, 1 on the policy's tokens."""
+
+
+def _batch(rows: list[Row], pad: int):
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -43,7 +48,11 @@ def _batch(rows: list[tuple[list[int], int]], pad: int):
     for i, (seq, start) in enumerate(rows):
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
-        labels[i, start: len(seq)] = torch.tensor(seq[start:])
+        if isinstance(start, int):
+            labels[i, start: len(seq)] = torch.tensor(seq[start:])
+        else:
+            labels[i, : len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, start,
+                                                                                   strict=True)])
     return ids, attn, labels
 
 
@@ -67,11 +76,31 @@ def validation_loss(model, rows, pad: int, batch_size: int = 256) -> float:
     return total / max(count, 1)
 
 
+def encode_episodes(tokenizer, demos, prompt_format: PromptFormat | None = None) -> list[Row]:
+    """(token ids, policy mask) of demonstrated episodes (`tasks.episodic.Demo`), laid out as
+    rollout lays out an episode: each turn's text and EOS learned, the replies between turns
+    (`PromptFormat.observation_text`) only read."""
+    fmt = prompt_format or PromptFormat()
+    rows = []
+    for demo in demos:
+        ids = fmt.encode(tokenizer, [demo.prompt])[0]
+        mask = [0] * len(ids)
+        for action, observation in demo.turns:
+            act = list(tokenizer(action, add_special_tokens=False)["input_ids"])
+            act.append(tokenizer.eos_token_id)
+            obs = fmt.encode_observation(tokenizer, observation) if observation else []
+            ids, mask = ids + act + obs, mask + [1] * len(act) + [0] * len(obs)
+        rows.append((ids, mask))
+    return rows
+
+
 def train_sft(model, tokenizer, train_pairs, val_pairs, cfg: SFTConfig, seed: int,
-              prompt_format: PromptFormat | None = None) -> SFTResult:
-    """Train in place to the plateau of the validation loss; keeps the best epoch's weights."""
-    train_rows = encode_pairs(tokenizer, train_pairs, prompt_format)
-    val_rows = encode_pairs(tokenizer, val_pairs, prompt_format)
+              prompt_format: PromptFormat | None = None, encode=encode_pairs) -> SFTResult:
+    """Train in place to the plateau of the validation loss; keeps the best epoch's weights.
+    `encode(tokenizer, examples, prompt_format)` makes the rows: `encode_pairs` for
+    (prompt, answer) pairs, `encode_episodes` for demonstrated episodes."""
+    train_rows = encode(tokenizer, train_pairs, prompt_format)
+    val_rows = encode(tokenizer, val_pairs, prompt_format)
     pad = tokenizer.pad_token_id
     steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
     total = steps_per_epoch * cfg.max_epochs

@@ -15,7 +15,7 @@ from ..tasks.prompts import PromptFormat
 from ..tasks.source import make_task
 from .context import StageContext
 from .policy import point_latest, upload_folder
-from .sft import train_sft
+from .sft import encode_episodes, train_sft
 
 
 def main(ctx: StageContext) -> int:
@@ -34,10 +34,16 @@ def main(ctx: StageContext) -> int:
         sft_info = None
         if cfg.model.sft.enabled:
             sft = cfg.model.sft
-            pairs = task.demonstrations(sft.demonstrations)
-            n_val = max(1, int(len(pairs) * sft.validation_fraction))
-            val = [(it.prompt, it.answer) for it in task.validation] or pairs[:n_val]
-            result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed, prompt_format)
+            if task.episodes is not None:  # played in an environment: whole episodes
+                pairs = task.episodes(sft.demonstrations)
+                val = [task.demonstrate(it) for it in task.validation]
+                result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed, prompt_format,
+                                   encode=encode_episodes)
+            else:
+                pairs = task.demonstrations(sft.demonstrations)
+                n_val = max(1, int(len(pairs) * sft.validation_fraction))
+                val = [(it.prompt, it.answer) for it in task.validation] or pairs[:n_val]
+                result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed, prompt_format)
             sft_info = dataclasses.asdict(result) | {"demonstrations": len(pairs)}
             ctx.log.info("sft done: %s", sft_info)
         policy_dir = work / "policy"

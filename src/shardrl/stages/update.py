@@ -21,6 +21,7 @@ from ..algo import (
     policy_loss,
     value_loss,
 )
+from ..algo.advantages import last_masked
 from ..config import RunConfig
 from ..learner_backends.base import PolicyLogprobs
 from .batch import SeqBatch, build_batch, padded_column
@@ -84,7 +85,8 @@ def gae_rewards(cfg: RunConfig, table: pa.Table, batch: SeqBatch, behaviour: tor
 
     The sequence reward is the ready shard's `reward_total` (prepare's shaping: the reward
     model's score normalised and clipped, times alpha; for GAE prepare leaves the KL out of
-    it), placed on the last response token. With `algo.kl.placement: reward` every response
+    it), placed on the last response token the policy generated (of a multi-turn episode:
+    its last turn's last token). With `algo.kl.placement: reward` every response
     token also gets `-beta * kl(behaviour || ref)` at the current beta, never normalised
     (the PPO-RLHF reward). behaviour: (B, T) behaviour logprobs, padded like the batch.
     """
@@ -96,7 +98,7 @@ def gae_rewards(cfg: RunConfig, table: pa.Table, batch: SeqBatch, behaviour: tor
         rewards = -beta * kl_penalty(behaviour, ref, cfg.algo.kl.estimator) * mask
     if rewards.shape[1] == 0:  # no response token in the batch
         return rewards
-    last = (batch.response_lengths - 1).clamp_min(0)[:, None]  # (B, 1)
+    last = last_masked(mask)[:, None]  # (B, 1)
     return rewards.scatter_add(1, last, total[:, None])
 
 

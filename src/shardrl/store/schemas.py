@@ -2,6 +2,12 @@
 
 Later stages add columns and never rewrite earlier ones: SCORED starts with ROLLOUT's
 fields, READY with SCORED's. A field is non-nullable unless marked otherwise.
+
+Multi-turn episodes (`rollout.max_turns`, `task.environment`) add the `EPISODE` columns after
+a boundary schema's own, in every shard of the run from rollout on: the response is the whole
+episode after the prompt (the policy's turns and the environment's replies), and
+`policy_mask` says which of its tokens the policy generated. Single-turn shards have none of
+them; `store.shards.conform` keeps them at the end of any table that has all of them.
 """
 
 from __future__ import annotations
@@ -74,6 +80,15 @@ METRICS = pa.schema([
     _required("value", pa.float64()),
     _required("time", pa.float64()),               # unix time
 ])
+
+EPISODE = pa.schema([
+    _required("policy_mask", pa.list_(pa.int8())),  # one per response token: 1 = policy's
+    _required("turn_rewards", LOGPROBS),            # the environment's reward of each turn
+    _required("turn_starts", pa.list_(pa.int32())),  # response index of each turn's first token
+])
+"""The columns multi-turn shards carry after their boundary schema's (see the docstring).
+`behavior_logprobs` is 0.0 on the environment's tokens, and only the policy's tokens get
+loss, logprobs and KL (`stages.batch.build_batch`)."""
 
 SCHEMAS: dict[str, pa.Schema] = {
     "rollout": ROLLOUT, "scored": SCORED, "ready": READY, "eval": EVAL, "metrics": METRICS,

@@ -4,7 +4,8 @@ A shard is one immutable Parquet file (zstd) whose columns match a schema of
 `shardrl.store.schemas` exactly: same names, same order, same types. Safe differences
 are cast on the way (int64 -> int32 when every value fits, float64 -> float32 when no
 finite value overflows, large_string -> string, an all-null column -> any nullable type);
-anything else is a SchemaError. A shard that cannot be read or violates its schema is
+anything else is a SchemaError. The boundary schemas from rollout on may be followed by all
+of `schemas.EPISODE`'s columns (multi-turn episodes), checked the same way. A shard that cannot be read or violates its schema is
 moved to quarantine with an `.error.json` beside it.
 """
 
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 
 from shardrl.store.base import NotFound, Store
 from shardrl.store.keys import error_key, quarantine_key
+from shardrl.store.schemas import EPISODE, ROLLOUT
 
 log = logging.getLogger("shardrl.store")
 
@@ -91,8 +93,18 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """`table` with exactly `schema`: same column names and order, types cast safely.
 
     Raises SchemaError naming the missing, unexpected or mistyped columns, or a
-    non-nullable column that holds nulls.
+    non-nullable column that holds nulls. A shard schema from rollout on also takes the
+    `EPISODE` columns, all or none, wherever they are: they come back after its own.
     """
+    present = [n for n in EPISODE.names if n in table.column_names]
+    if present and schema.names[: len(ROLLOUT)] == ROLLOUT.names:
+        if len(present) < len(EPISODE):
+            missing = [n for n in EPISODE.names if n not in present]
+            raise SchemaError(f"episode columns come together: missing {missing}")
+        episode = conform(table.select(present), EPISODE)
+        base = conform(table.drop_columns(present), schema)
+        return pa.Table.from_arrays(base.columns + episode.columns,
+                                    schema=pa.schema(list(schema) + list(EPISODE)))
     names, expected = table.column_names, schema.names
     if names != expected:
         missing = [n for n in expected if n not in names]

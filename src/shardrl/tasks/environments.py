@@ -163,6 +163,35 @@ class Calculator:
         return StepResult("", 0.0, True)
 
 
+@register_environment("guess")
+class Guess:
+    """Guess the item's number (its answer) in the prompt's range `guess low-high`.
+
+    Each turn states `guess: <n>`: the right number ends the episode with reward 1, another
+    gets `= higher` or `= lower` with reward 0. A turn without a guess ends it with reward 0.
+    """
+
+    def __init__(self) -> None:
+        self.secret: int | None = None
+
+    def reset(self, item: TaskItem) -> str:
+        self.secret = int(item.answer)
+        return item.prompt
+
+    def step(self, action: str) -> StepResult:
+        if self.secret is None:
+            raise RuntimeError("step before reset")
+        if not (m := _GUESS.search(action)):
+            return StepResult("", 0.0, True)
+        guess = int(m[1])
+        if guess == self.secret:
+            return StepResult("", 1.0, True)
+        return StepResult("= higher" if self.secret > guess else "= lower", 0.0, False)
+
+
+_GUESS = re.compile(r"guess\s*[:=]?\s*(-?\d+)", re.IGNORECASE)
+
+
 # -- an episode's tokens --------------------------------------------------------------------
 
 @dataclass

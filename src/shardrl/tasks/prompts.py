@@ -62,6 +62,31 @@ class PromptFormat:
         return [list(ids) for ids in
                 tokenizer(texts, add_special_tokens=self.kind == "raw")["input_ids"]]
 
+    def observation_text(self, tokenizer: Any, observation: str) -> str:
+        """What follows a policy turn (which ends with its EOS) in a multi-turn episode:
+        `raw`, the environment's reply as is; `chat`, the reply as the next user message and
+        the opening of the assistant's next turn, as the chat template writes them (the
+        template's text after an assistant message's end, which the policy's EOS stands for)."""
+        if self.kind == "raw":
+            return observation
+        self.check(tokenizer)
+        head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        before = tokenizer.apply_chat_template(head, tokenize=False)
+        after = tokenizer.apply_chat_template(head + [{"role": "user", "content": observation}],
+                                              tokenize=False, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise PromptFormatError("the chat template rewrites earlier messages when one is "
+                                    "added: multi-turn episodes need task.prompt_format: raw")
+        end = before[before.rindex("a") + 1:]  # the assistant message's closing text
+        eos = tokenizer.eos_token or ""
+        closing = end[end.index(eos) + len(eos):] if eos and eos in end else ""
+        return closing + after[len(before):]
+
+    def encode_observation(self, tokenizer: Any, observation: str) -> list[int]:
+        """Token ids of `observation_text` (no special tokens added)."""
+        text = self.observation_text(tokenizer, observation)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
     def encode_pair(self, tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], int]:
         """(prompt ids + answer ids + EOS, index where the answer starts): a demonstration
         as the model would have generated it after `encode([prompt])`."""

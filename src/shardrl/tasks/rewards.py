@@ -96,17 +96,23 @@ def score_batch(
     answers: Sequence[str],
     response_lengths: Sequence[int],
     rm_scores: Sequence[float] | None = None,
+    episode_returns: Sequence[float] | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per sample with reward_verifier, reward_model, reward_rm, correct and
     reward_error. `verifiers` come from `build_verifiers(spec)`; `rm_scores` are raw
-    reward-model scores, required exactly when `spec.reward_model_weight` is set."""
+    reward-model scores, required exactly when `spec.reward_model_weight` is set. With
+    `episode_returns` (multi-turn episodes) the `task` verifier's value is the episode's
+    return: the environment is the task's checker."""
     if (rm_scores is None) != (spec.reward_model_weight is None):
         raise ValueError("rm_scores must be given exactly when reward_model_weight is set")
     rows = []
     for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
         total, errors, correct = 0.0, [], bool(verifiers)
         for term, fn in zip(spec.verifiers, verifiers, strict=True):
-            reward, error = run_verifier(fn, response, answer)
+            if episode_returns is not None and term.spec == TASK_VERIFIER:
+                reward, error = float(episode_returns[i]), None
+            else:
+                reward, error = run_verifier(fn, response, answer)
             total += term.weight * reward
             correct = correct and error is None and reward >= spec.correct_threshold
             if error is not None:
@@ -165,9 +171,17 @@ class CompositeReward:
             table.column("answer").to_pylist(),
             lengths,
             rm_scores,
+            _episode_returns(table),
         )
         names = ("reward_verifier", "reward_model", "reward_rm", "correct", "reward_error")
         return {name: [row[name] for row in rows] for name in names}
+
+
+def _episode_returns(table: pa.Table) -> list[float] | None:
+    """Each row's sum of `turn_rewards`, None for a single-turn table."""
+    if "turn_rewards" not in table.column_names:
+        return None
+    return [float(sum(r)) for r in table.column("turn_rewards").to_pylist()]
 
 
 def spec_from_config(cfg: RunConfig) -> RewardSpec:

@@ -11,6 +11,8 @@ from ..config import RunConfig
 from ..config.data import BuiltinTask as BuiltinTaskConfig
 from .builtin import BuiltinTask, TaskItem
 from .cipher import CipherTask, with_slips
+from .episodic import CalcTask, Demo, GuessTask
+from .episodic import demonstrations as demo_episodes
 
 # validation items kept apart from the demonstrations to detect the SFT plateau
 VALIDATION_ITEMS = 256
@@ -38,6 +40,11 @@ class TaskData:
     stated final answer (`verifiers.math_final_answer`) for chat prompts."""
     corpus: list[str] = field(default_factory=list)
     """Texts covering the task's characters (to train a tokenizer)."""
+    episodes: Callable[[int], list[Demo]] | None = None
+    """n -> demonstrated episodes for SFT (tasks played in an environment; None otherwise).
+    `demonstrations` then gives each as (prompt, the rest of its text)."""
+    demonstrate: Callable[[TaskItem], Demo] | None = None
+    """The demonstrator's episode of one item without slips (SFT validation)."""
 
 
 def make_task(cfg: RunConfig) -> TaskData:
@@ -53,6 +60,8 @@ def make_task(cfg: RunConfig) -> TaskData:
 
 
 def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
+    if source.name in ("calculator", "guess"):
+        return _episodic(cfg, source)
     task = CipherTask() if source.name == "cipher" else BuiltinTask()
 
     def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
@@ -67,6 +76,32 @@ def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
     heldout = task.heldout(source.heldout_size)
     corpus = ["0123456789+=-*/ ()abcdefghij"] + [it.prompt + it.answer for it in heldout[:64]]
     return TaskData(train_items, demonstrations, validation, heldout, task.verify, corpus)
+
+
+def _episodic(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
+    import random
+
+    task = CalcTask() if source.name == "calculator" else GuessTask()
+    seed = cfg.seed + source.seed
+
+    def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
+        return list(itertools.islice(task.train_prompts(_mix(cfg.seed, source.seed, worker, seq)), n))
+
+    def episodes(n: int) -> list[Demo]:
+        return demo_episodes(task, n, seed, source.demo_error_rate)
+
+    def demonstrations(n: int) -> list[tuple[str, str]]:
+        return [(d.prompt, d.text()[len(d.prompt):]) for d in episodes(n)]
+
+    def demonstrate(item: TaskItem) -> Demo:
+        return task.demonstration(item, random.Random(0), slip=False)
+
+    validation = task.validation(VALIDATION_ITEMS)
+    heldout = task.heldout(source.heldout_size)
+    corpus = ["0123456789+-*/=():. ,?abcdefghijklmnopqrstuvwxyz"] + [
+        demonstrate(it).text() for it in heldout[:64]]
+    return TaskData(train_items, demonstrations, validation, heldout, task.verify, corpus,
+                    episodes, demonstrate)
 
 
 def _dataset(cfg: RunConfig) -> TaskData:

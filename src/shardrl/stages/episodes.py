@@ -1,0 +1,174 @@
+"""Multi-turn episodes for rollout and evaluation: the policy acts, the environment replies.
+
+Every sample of a group plays its own episode in a fresh environment (`task.environment`).
+A turn is one generation of up to `rollout.max_new_tokens` tokens, batched over every
+episode still running; the turn's text (special tokens removed) goes to the environment's
+`step`, whose reply is appended after the turn's tokens in the task's prompt format
+(`PromptFormat.observation_text`) before the next turn. An episode ends when the environment
+says so, after `max_turns` turns, or when the model's context has no room for another token.
+Nothing follows the last turn: the reply that ends an episode carries no tokens.
+
+An episode becomes one rollout row (`EpisodeSample`): its response is every turn's tokens and
+replies laid out by `tasks.environments.episode_tokens`, with the policy mask, the per-turn
+rewards and where each turn starts (`store.schemas.EPISODE`). Its finish reason is "stop"
+when the environment ended it on a turn the policy closed with EOS, else "length". The
+episode's reward is the sum of its turns' rewards (the score stage's `task` verifier).
+
+Sampling is deterministic given `seed`: turn 0 samples all `n` episodes of each prompt in
+one call, as single-turn rollout does; turn t > 0 samples the running episodes with
+`seed + t * TURN_SEED_STRIDE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from ..store.schemas import EPISODE
+from ..tasks.builtin import TaskItem
+from ..tasks.environments import Environment, Turn, episode_tokens, make_environment
+
+if TYPE_CHECKING:
+    from ..engines.base import Sample
+
+TURN_SEED_STRIDE = 1_000_033
+
+Generate = Callable[[list[list[int]], int, int, int], "list[list[Sample]]"]
+"""(prompt token ids, samples per prompt, max_new_tokens, seed) -> samples per prompt."""
+
+
+@dataclass
+class EpisodeSample:
+    """An episode as an engine's `Sample` reads (the whole response after the prompt), plus
+    its policy mask, per-turn rewards and turn starts (`store.schemas.EPISODE`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_mask: list[int]
+    turn_rewards: list[float]
+    turn_starts: list[int]
+
+    @property
+    def episode_return(self) -> float:
+        return float(sum(self.turn_rewards))
+
+
+@dataclass
+class _Running:
+    env: Environment
+    context: list[int]
+    turns: list[Turn]
+    over: bool = False
+    finish: str = "length"
+
+
+def run_episodes(generate: Generate, make_env: Callable[[], Environment],
+                 items: Sequence[TaskItem], prompt_ids: Sequence[list[int]], n: int, *,
+                 max_turns: int, max_new_tokens: int, seed: int,
+                 decode: Callable[[list[int]], str],
+                 encode_observation: Callable[[str], list[int]],
+                 context: int | None = None) -> list[list[EpisodeSample]]:
+    """`n` episodes per item; result[i] holds item i's, in sample order (module docstring).
+
+    An environment's first observation must be the item's prompt, which `prompt_ids` encode.
+    """
+    episodes: list[_Running] = []
+    for item, ids in zip(items, prompt_ids, strict=True):
+        for _ in range(n):
+            env = make_env()
+            if (first := env.reset(item)) != item.prompt:
+                raise ValueError(f"environment's first observation {first!r} is not the "
+                                 f"item's prompt {item.prompt!r}")
+            episodes.append(_Running(env, list(ids), []))
+    for t in range(max_turns):
+        running = [e for e in episodes if not e.over]
+        for e in running:
+            if context is not None and context - len(e.context) < 1:
+                e.over = True  # no room for another token: finish stays "length"
+        running = [e for e in running if not e.over]
+        if not running:
+            break
+        budget = max_new_tokens
+        if context is not None:
+            budget = min(budget, min(context - len(e.context) for e in running))
+        if t == 0:
+            groups = generate([list(ids) for ids in prompt_ids], n, budget, seed)
+        else:
+            groups = generate([e.context for e in running], 1, budget,
+                              seed + t * TURN_SEED_STRIDE)
+        samples = [s for group in groups for s in group]
+        for e, s in zip(running, samples, strict=True):
+            result = e.env.step(decode(s.token_ids))
+            last = result.done or t == max_turns - 1
+            obs = [] if last else encode_observation(result.observation)
+            e.turns.append(Turn(list(s.token_ids), list(s.logprobs), obs, float(result.reward)))
+            e.context += list(s.token_ids) + obs
+            if last:
+                e.over = True
+                e.finish = "stop" if result.done and s.finish_reason == "stop" else "length"
+    out = []
+    for e in episodes:
+        tokens = episode_tokens(e.turns)
+        out.append(EpisodeSample(tokens.response_token_ids, tokens.behavior_logprobs, e.finish,
+                                 tokens.policy_mask, tokens.turn_rewards, tokens.turn_starts))
+    return [out[i * n:(i + 1) * n] for i in range(len(items))]
+
+
+class EpisodeRunner:
+    """`run_episodes` with a stage's policy engine and the run's environment and format."""
+
+    def __init__(self, engine, environment: str, max_turns: int) -> None:
+        make_environment(environment)  # a spec that names nothing fails at start
+        self.engine, self.environment, self.max_turns = engine, environment, max_turns
+
+    def run(self, items: Sequence[TaskItem], prompt_ids: Sequence[list[int]], n: int, *,
+            temperature: float, top_p: float, max_new_tokens: int,
+            seed: int) -> list[list[EpisodeSample]]:
+        engine = self.engine
+
+        def generate(ids: list[list[int]], k: int, budget: int, s: int) -> list[list[Sample]]:
+            return engine.engine.generate(ids, k, temperature=temperature, top_p=top_p,
+                                          max_new_tokens=budget, seed=s)
+
+        def observe(text: str) -> list[int]:
+            return engine.prompt_format.encode_observation(engine.tokenizer, text)
+
+        return run_episodes(generate, lambda: make_environment(self.environment), items,
+                            prompt_ids, n, max_turns=self.max_turns,
+                            max_new_tokens=max_new_tokens, seed=seed, decode=engine.decode,
+                            encode_observation=observe, context=engine.context)
+
+
+def episode_runner(ctx, engine) -> EpisodeRunner | None:
+    """The stage's runner when the run plays episodes (`task.environment`), else None."""
+    cfg = ctx.cfg
+    if cfg.task.environment is None:
+        return None
+    return EpisodeRunner(engine, cfg.task.environment, cfg.rollout.max_turns)
+
+
+def with_episode_columns(table: pa.Table, samples: Sequence[EpisodeSample]) -> pa.Table:
+    """A rollout table of episodes (one row per sample, in order) with `EPISODE`'s columns."""
+    for f in EPISODE:
+        table = table.append_column(f, pa.array([getattr(s, f.name) for s in samples],
+                                                type=f.type))
+    return table
+
+
+def episode_metrics(table: pa.Table) -> dict[str, float]:
+    """Rollout metrics of a table of episodes (none for single responses): turns, the
+    policy's share of the response tokens, the mean return."""
+    if EPISODE.names[0] not in table.column_names:
+        return {}
+    turns = np.array([len(s) for s in table.column("turn_starts").to_pylist()], np.float64)
+    mask = np.concatenate([np.asarray(m, np.float64) for m in
+                           table.column("policy_mask").to_pylist()] + [np.ones(0)])
+    returns = [sum(r) for r in table.column("turn_rewards").to_pylist()]
+    return {"turns_mean": float(turns.mean()), "turns_max": float(turns.max()),
+            "policy_token_frac": float(mask.mean()) if mask.size else 1.0,
+            "episode_return_mean": float(np.mean(returns))}
