@@ -78,6 +78,18 @@ class RunConfig(Section):
                 "`learner.micro_batch` accumulates gradients with the torch backend only: "
                 "remove it or set `learner.backend: {kind: torch}`"
             )
+        if backend.kind == "deepspeed" and self.learner.lora is not None:
+            errors.append(
+                "`learner.lora` trains adapters with the torch backend only (DeepSpeed would "
+                "partition the frozen base with its optimizer): remove `learner.lora` or set "
+                "`learner.backend: {kind: torch}`"
+            )
+        if self.learner.lora is not None and self.learner.keep_checkpoints < 2:
+            errors.append(
+                "`learner.lora` needs `learner.keep_checkpoints` of at least 2: a resumed "
+                "learner takes its adapters from the checkpoint of the committed version, "
+                "which a crash between the next checkpoint and its commit must not remove"
+            )
         if self.learner.micro_batch is not None and self.algo.advantages.estimator == "gae":
             errors.append(
                 "`learner.micro_batch` does not support GAE advantages yet (their whitening "
@@ -116,9 +128,17 @@ class RunConfig(Section):
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
+    @property
+    def learner_reference(self) -> bool:
+        """Whether the learner computes the reference logprobs itself: with LoRA, KL in the
+        loss and the initial policy as reference, the reference is the frozen base under the
+        adapters (run with the adapters off), so the score stage loads no reference."""
+        return (self.learner.lora is not None and self.algo.kl.placement == "loss"
+                and self.model.reference == "initial")
+
     def inline_blocker(self) -> str | None:
         """Why scoring and prepare cannot run inside the rollout workers, or None."""
-        if self.algo.kl.placement != "none":
+        if self.algo.kl.placement != "none" and not self.learner_reference:
             return "cannot compute reference logprobs (KL is on)"
         if self.reward.reward_model is not None:
             return "cannot run a reward model"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Section
 
@@ -103,6 +103,37 @@ class PublishConfig(Section):
     when that is smaller). 1 publishes every version in full."""
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, with peft) trained in place of the policy's weights."""
+
+    r: int = Field(8, ge=1, le=4096)
+    """Rank of each adapter: A is (r, in), B is (out, r)."""
+    alpha: float = Field(16.0, gt=0.0, le=1e6)
+    """The adapter's output is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training (masks drawn from a per-step seed, so a
+    resumed or replayed step draws the same ones)."""
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64)
+    """Names (or name endings) of the linear layers to adapt, e.g. `q_proj`, `gate_proj`.
+    The output head and the embeddings (tied in many models) cannot be adapted."""
+
+    @model_validator(mode="after")
+    def _linear_layers_only(self) -> LoraConfig:
+        tied = sorted({m for m in self.target_modules if m.split(".")[-1] in UNADAPTABLE})
+        if tied:
+            raise ValueError(
+                f"`learner.lora.target_modules` names {tied}: the output head and embeddings "
+                "are often tied, and an adapter would untie them in the merged weights; "
+                "adapt the transformer's linear layers (q_proj, k_proj, v_proj, o_proj, "
+                "gate_proj, up_proj, down_proj)")
+        return self
+
+
+UNADAPTABLE = ("lm_head", "embed_tokens", "wte", "embed_out")
+"""Module names LoRA may not target (output heads and embeddings)."""
+
+
 class LearnerConfig(Section):
     """Policy updates from ready shards with bounded staleness."""
 
@@ -149,6 +180,9 @@ class LearnerConfig(Section):
     up to the gradient of the whole batch's loss (every aggregation normalizes over the
     whole batch), so the batch size no longer sets the activation memory. None: the whole
     batch at once. Plain torch backend only."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight; published versions hold the merged
+    weights. None: full fine-tuning. Plain torch backend only."""
     logits_chunk_mb: float | None = Field(256.0, gt=0.0, le=1e7)
     """Largest float32 logits tensor (MiB) the learner materializes: longer or wider batches
     compute the output head, softmax and logprobs over chunks of response positions,

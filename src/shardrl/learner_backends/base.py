@@ -40,6 +40,12 @@ class PolicyLogprobs(Protocol):
                  temperature: float, fp32_lm_head: bool,
                  logits_mb: float | None = None) -> TokenLogprobs: ...
 
+    def reference(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
+                  temperature: float, fp32_lm_head: bool,
+                  logits_mb: float | None = None) -> Tensor | None:
+        """The frozen base's logprobs under LoRA adapters, or None (see `PolicyModule`)."""
+        ...
+
 
 def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
@@ -72,6 +78,20 @@ class PolicyModule(nn.Module):
                              response_start.to(device), temperature=temperature,
                              fp32_lm_head=fp32_lm_head, chunk=chunk)
         return TokenLogprobs(out.logprobs.to(home), out.entropy.to(home), None)
+
+    def reference(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
+                  temperature: float = 1.0, fp32_lm_head: bool = True,
+                  logits_mb: float | None = None) -> Tensor | None:
+        """(B, T) response-token logprobs of the frozen base under LoRA adapters (the
+        adapters off, no gradient), or None when the policy has no adapters. Call it before
+        the forward whose graph the step backpropagates (see `lora.adapters_off`)."""
+        from ..models.lora import adapters_off, has_lora
+
+        if not has_lora(self.lm):
+            return None
+        with torch.no_grad(), adapters_off(self.lm):
+            return self(input_ids, attention_mask, response_start, temperature=temperature,
+                        fp32_lm_head=fp32_lm_head, logits_mb=logits_mb).logprobs
 
 
 class CriticModule(nn.Module):

@@ -23,7 +23,11 @@ from .base import (
 
 
 class TorchLearnerBackend:
-    """`Backend` on a single process. Gradient clipping is global over every trainable part."""
+    """`Backend` on a single process. Gradient clipping is global over every trainable part.
+
+    When a part has frozen parameters (LoRA adapters on a frozen base), its state also holds
+    the values of its trainable ones (`weight_key`): the published versions hold merged
+    weights, from which the adapters cannot be recovered."""
 
     rank = 0
     world_size = 1
@@ -54,6 +58,8 @@ class TorchLearnerBackend:
         state: dict[str, Tensor] = {}
         step = 0.0
         for part, module in self.parts.items():
+            for name, param in _trained_weights(module):
+                state[weight_key(part, name)] = param.detach().cpu().clone()
             for name, param in module.named_parameters():
                 slots = self.opt.state.get(param)
                 if not slots:
@@ -65,12 +71,21 @@ class TorchLearnerBackend:
         return state
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        step = state[STEP_KEY].to(torch.float32)
-        if float(step) == 0:  # saved before the first update: no moments yet
-            return
         missing = []
+        with torch.no_grad():
+            for part, module in self.parts.items():
+                for name, param in _trained_weights(module):
+                    if (key := weight_key(part, name)) in state:
+                        param.copy_(state[key])
+                    else:
+                        missing.append(key)
+        step = state[STEP_KEY].to(torch.float32)
+        if float(step) == 0 and not missing:  # saved before the first update: no moments yet
+            return
         for part, module in self.parts.items():
             for name, param in module.named_parameters():
+                if not param.requires_grad:
+                    continue
                 keys = [moment_key(part, name, slot) for slot in MOMENTS]
                 missing += [k for k in keys if k not in state]
                 if all(k in state for k in keys):
@@ -84,6 +99,21 @@ class TorchLearnerBackend:
 
     def broadcast_json(self, value: Json) -> Json:
         return value
+
+
+def weight_key(part: str, param_name: str) -> str:
+    """State key of a trained weight of a partly frozen part, e.g.
+    `policy/model.layers.0.self_attn.q_proj.lora_A.default.weight/weight`."""
+    return f"{part}/{param_name}/weight"
+
+
+def _trained_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable named parameters of `module` when some of its parameters are frozen
+    (adapters on a frozen base); none when every parameter trains."""
+    named = list(module.named_parameters())
+    if all(p.requires_grad for _, p in named):
+        return []
+    return [(name, p) for name, p in named if p.requires_grad]
 
 
 def apply_step(loss: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter],

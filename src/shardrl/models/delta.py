@@ -35,11 +35,14 @@ def publish_state(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
     """The model's state as fresh CPU tensors, floating ones cast to `dtype`.
 
     A tensor that is the very same view as an earlier one (tied embeddings: the output head)
-    is left out; loading tolerates the missing tied key.
+    is left out; loading tolerates the missing tied key. A model with LoRA adapters gives its
+    merged weights under the base model's names (`lora.merged_state`).
     """
+    from .lora import merged_state
+
     seen: set[tuple] = set()
     out: dict[str, Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in merged_state(model).items():
         ident = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() and ident in seen:
             continue

@@ -37,7 +37,7 @@ class Scorer:
         cfg = ctx.cfg
         self.reward = build_reward(cfg, make_task(cfg))
         self.ref = None
-        if cfg.algo.kl.placement != "none":
+        if cfg.algo.kl.placement != "none" and not cfg.learner_reference:
             from .policy import load_reference
 
             self.ref, tokenizer = load_reference(ctx.store, ctx.keys, ctx.cache_dir())

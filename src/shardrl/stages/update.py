@@ -181,6 +181,14 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     batch = build_batch(table, pad_id)
     mask = batch.response_mask  # (B, T)
     groups = group_index(table)  # (B,)
+    ref = None
+    if algo.kl.placement != "none" and table.column("ref_logprobs").null_count == 0:
+        ref = batch.pad_response(padded_column(table, "ref_logprobs"))  # (B, T)
+    elif algo.kl.placement != "none" and cfg.learner_reference:  # the base under the adapters
+        ref = policy.reference(batch.input_ids, batch.attention_mask, batch.response_start,
+                               temperature=cfg.rollout.temperature,
+                               fp32_lm_head=cfg.model.fp32_lm_head,
+                               logits_mb=cfg.learner.logits_chunk_mb)
     out = policy(batch.input_ids, batch.attention_mask, batch.response_start,
                  temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                  logits_mb=cfg.learner.logits_chunk_mb)
@@ -222,8 +230,7 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     loss = reduce(per_token)
     metrics.update({k: v.detach() for k, v in pl_metrics.items()})
     metrics["policy_loss"] = loss.detach()
-    if table.column("ref_logprobs").null_count == 0 and algo.kl.placement != "none":
-        ref = batch.pad_response(padded_column(table, "ref_logprobs"))
+    if ref is not None:
         kl_tok = kl_penalty(logprobs, ref, algo.kl.estimator) * mask  # (B, T)
         stats = kl_stats(kl_tok.detach(), mask)
         metrics["kl_sum"], metrics["kl_mean"] = stats.kl_sum.mean(), stats.kl_mean.mean()

@@ -37,6 +37,11 @@ class Learner:
             published.wait(cfg.learner.poll_interval_s)
         published.close()
         self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
+        if (lora := cfg.learner.lora) is not None:  # adapters on the frozen v0 weights
+            from ...models.lora import add_lora
+
+            self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
+                                  lora.target_modules)
         self.model.train()
         self.pad_id = tok.pad_token_id
         state = Progress.read(store, keys.progress())
@@ -81,7 +86,9 @@ class Learner:
             self.published = fetch_weights(store, keys, self.version)
             ckpt = latest_checkpoint(store, keys)
             masters = keys.learner_file(ckpt or 0, f"{ranks.MASTERS}.safetensors")
-            if ckpt == self.version and store.exists(masters):  # narrower publish dtype
+            if cfg.learner.lora is not None:  # the base stays v0; the adapters are in the
+                ckpt = self.version              # checkpoint of the committed version
+            elif ckpt == self.version and store.exists(masters):  # narrower publish dtype
                 self.model.load_state_dict(st_load(store.get_bytes(masters)), strict=False)
             else:
                 self.model.load_state_dict(self.published, strict=False)
@@ -203,6 +210,8 @@ class Learner:
         scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
                             total_steps=lc.total_steps, kind=lc.schedule, min_ratio=lc.min_lr_ratio)
         self.backend.set_lr("policy", lc.lr * scale)
+        if lc.lora is not None and lc.lora.dropout > 0:  # the same masks when resumed or replayed
+            torch.manual_seed(self.cfg.seed * 1_000_003 + self.version)
         with self.ctx.cores.busy() as cores:
             self.threads.append(torch.get_num_threads())
             if lc.micro_batch is not None and len(kept) > lc.micro_batch:
@@ -226,8 +235,10 @@ class Learner:
             return None, {}
         self.version += 1
         # a `--once` learner is a new process each round: its optimizer state must reach the
-        # next round's, so every round that steps checkpoints it
-        due = self.version % self.cfg.learner.ckpt_every == 0 or self.ctx.once
+        # next round's, so every round that steps checkpoints it; LoRA adapters are not in
+        # the published (merged) weights, so they are checkpointed with every version
+        due = (self.version % self.cfg.learner.ckpt_every == 0 or self.ctx.once
+               or self.cfg.learner.lora is not None)
         return ranks.gather(self.backend, self.model, self.leader, due, self.dtype)
 
     def commit(self, batch: Batch, stepped: bool, beta: float | None = None,

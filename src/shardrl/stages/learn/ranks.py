@@ -8,6 +8,7 @@ import torch
 
 from ...learner_backends import Backend
 from ...models.delta import publish_state
+from ...models.lora import has_lora
 
 BACKEND_STATE, CRITIC, MASTERS = "backend", "critic", "policy"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights,
@@ -57,7 +58,7 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
     with backend.gathered():
         if leader:
             weights = publish_state(model, dtype)
-            if checkpoint_due and dtype != torch.float32:
+            if checkpoint_due and dtype != torch.float32 and not has_lora(model):
                 files[MASTERS] = publish_state(model, torch.float32)
     if checkpoint_due:
         state = backend.state_dict()
