@@ -197,9 +197,12 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
         return "truncation", (
             "the token limit is too small for the answers the task needs",
             "the policy lengthens responses to gain reward, or stops emitting eos",
+            "multi-turn episodes run out of turns before the environment ends them",
         ), (
             Remedy("audit truncated samples (`shardrl samples RUN --worst`); raise the limit if "
                    "answers legitimately need it", ("rollout.max_new_tokens",)),
+            Remedy("give episodes the turns the task needs (the samples' `turns` column)",
+                   ("rollout.max_turns",)),
             Remedy("penalise overlong responses", ("reward.overlong",)),
             Remedy("check the eos/stop settings of the tokenizer and the engine",
                    ("model.source",)),

@@ -19,6 +19,8 @@ from .series import open_run
 
 Order = Literal["stored", "worst", "best", "random"]
 COLUMNS = ("version", "reward", "ok", "len", "finish", "prompt", "response")
+"""Besides: `advantage` (ready shards) and `turns` (multi-turn episodes, whose response is
+every turn and the environment's replies between them)."""
 
 
 def versions_with_data(store: Store, keys: RunKeys) -> list[int]:
@@ -54,7 +56,8 @@ def select(table: pa.Table, order: Order, n: int, seed: int | None = None) -> li
     return [{"version": r["policy_version"], "reward": r["reward_rm"], "ok": r["correct"],
              "len": len(r["response_token_ids"]), "finish": r["finish_reason"],
              "prompt": r["prompt_text"], "response": r["response_text"],
-             **({"advantage": r["advantage"]} if "advantage" in r else {})} for r in rows]
+             **({"advantage": r["advantage"]} if "advantage" in r else {}),
+             **({"turns": len(r["turn_starts"])} if "turn_starts" in r else {})} for r in rows]
 
 
 def _cell(value, width: int) -> str:
@@ -67,7 +70,7 @@ def format_table(rows: list[dict], text_width: int = 48) -> str:
     """Rows as a fixed-width text table; prompt and response cut to `text_width` characters."""
     if not rows:
         return "(no samples)"
-    cols = [c for c in (*COLUMNS[:5], "advantage", *COLUMNS[5:]) if c in rows[0]]
+    cols = [c for c in (*COLUMNS[:5], "turns", "advantage", *COLUMNS[5:]) if c in rows[0]]
     limit = {"prompt": text_width, "response": text_width}
     cells = [[_cell(r[c], limit.get(c, 12)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]

@@ -45,13 +45,11 @@ def _item(prompt: str, answer: str, category: str) -> TaskItem:
 
 
 def _slip(number: int, rng: random.Random) -> int:
-    """`number` with one digit moved by one (a different number, still >= 0)."""
+    """`number` with one digit moved by one: a different number of as many digits."""
     digits = list(str(number))
     i = rng.randrange(len(digits))
-    d = int(digits[i])
-    digits[i] = str(d + 1 if d < 9 and (d == 0 or rng.random() < 0.5) else d - 1)
-    if len(digits) > 1 and digits[0] == "0":
-        digits[0] = "1"
+    d, lowest = int(digits[i]), 1 if i == 0 and len(digits) > 1 else 0
+    digits[i] = str(rng.choice([x for x in (d - 1, d + 1) if lowest <= x <= 9]))
     return int("".join(digits))
 
 

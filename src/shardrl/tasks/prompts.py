@@ -22,6 +22,10 @@ class PromptFormatError(ValueError):
     """The configured prompt format cannot be applied with this tokenizer."""
 
 
+_MARK = "QZXJ"
+"""Stand-in content of an assistant message, to find where the template closes it."""
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """`task.prompt_format` and `task.system_prompt` applied with a tokenizer."""
@@ -70,14 +74,14 @@ class PromptFormat:
         if self.kind == "raw":
             return observation
         self.check(tokenizer)
-        head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
         before = tokenizer.apply_chat_template(head, tokenize=False)
         after = tokenizer.apply_chat_template(head + [{"role": "user", "content": observation}],
                                               tokenize=False, add_generation_prompt=True)
         if not after.startswith(before):
             raise PromptFormatError("the chat template rewrites earlier messages when one is "
                                     "added: multi-turn episodes need task.prompt_format: raw")
-        end = before[before.rindex("a") + 1:]  # the assistant message's closing text
+        end = before[before.rindex(_MARK) + len(_MARK):]  # the assistant message's closing
         eos = tokenizer.eos_token or ""
         closing = end[end.index(eos) + len(eos):] if eos and eos in end else ""
         return closing + after[len(before):]
