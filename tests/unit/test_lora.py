@@ -57,9 +57,7 @@ def base_model(vocab: int) -> LlamaForCausalLM:
 
 
 def lora_model(vocab: int, seed: int = 1) -> LlamaForCausalLM:
-    model = base_model(vocab)
-    torch.manual_seed(seed)  # the adapters' A init
-    return add_lora(model, R, ALPHA, 0.0, ["q_proj", "v_proj"])
+    return add_lora(base_model(vocab), R, ALPHA, 0.0, ["q_proj", "v_proj"], seed=seed)
 
 
 def table(tok, prompts: list[str], responses: list[str], advantages: list[float]) -> pa.Table:
@@ -242,3 +240,13 @@ def test_config_errors_name_the_fix():
     assert not reward.learner_reference and reward.inline_blocker() is not None
     full = validate({"algo": {"kl": {"placement": "loss"}}}, "test")
     assert not full.learner_reference
+
+
+def test_adapter_init_is_a_function_of_the_seed(tokenizer):
+    bases = [base_model(len(tokenizer)) for _ in range(3)]
+    rng = torch.get_rng_state()
+    models = [add_lora(m, R, ALPHA, 0.0, ["q_proj"], seed=s)
+              for m, s in zip(bases, (3, 3, 4), strict=True)]
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is left as it was
+    a = [next(iter(lora_layers(m).values())).lora_A["default"].weight for m in models]
+    assert torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])

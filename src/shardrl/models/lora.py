@@ -31,16 +31,20 @@ ADAPTER = "default"
 
 
 def add_lora(model: nn.Module, r: int, alpha: float, dropout: float,
-             target_modules: list[str]) -> nn.Module:
+             target_modules: list[str], seed: int) -> nn.Module:
     """`model` with LoRA adapters injected in place into the modules whose names end with
     one of `target_modules` (e.g. q_proj), every other parameter frozen; returns `model`.
 
-    peft raises a ValueError naming the targets when none of them is in the model."""
+    The A matrices are drawn from `seed` alone (the global RNG is left as it was), so the
+    initial adapters are a function of the config. peft raises a ValueError naming the
+    targets when none of them is in the model."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                         target_modules=list(target_modules))
-    return get_peft_model(model, config).get_base_model()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config).get_base_model()
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

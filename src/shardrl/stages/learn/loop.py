@@ -41,7 +41,7 @@ class Learner:
             from ...models.lora import add_lora
 
             self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
-                                  lora.target_modules)
+                                  lora.target_modules, seed=cfg.seed)
         self.model.train()
         self.pad_id = tok.pad_token_id
         state = Progress.read(store, keys.progress())
