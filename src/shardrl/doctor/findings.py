@@ -201,11 +201,11 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
         ), (
             Remedy("audit truncated samples (`shardrl samples RUN --worst`); raise the limit if "
                    "answers legitimately need it", ("rollout.max_new_tokens",)),
-            Remedy("give episodes the turns the task needs (the samples' `turns` column)",
-                   ("rollout.max_turns",)),
             Remedy("penalise overlong responses", ("reward.overlong",)),
             Remedy("check the eos/stop settings of the tokenizer and the engine",
                    ("model.source",)),
+            Remedy("give episodes the turns the task needs (the samples' `turns` column)",
+                   ("rollout.max_turns",)),
         )
     raise KeyError(f"unknown symptom code {code!r}")
 
