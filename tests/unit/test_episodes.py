@@ -24,7 +24,7 @@ from shardrl.tasks.prompts import PromptFormat
 from shardrl.tasks.rewards import CompositeReward, RewardSpec, VerifierTerm
 
 # a toy vocabulary: one id per character, EOS = 0
-CHARS = " 0123456789+-*/=():.?abcdefghijklmnopqrstuvwxyz"
+CHARS = " 0123456789+-*/=():.,?'abcdefghijklmnopqrstuvwxyz"
 EOS = 0
 
 
@@ -95,6 +95,25 @@ def test_runner_cuts_at_max_turns_and_at_the_context():
                          context=len(prompt) + 15)
     assert calls[1][2] == 2 and len(e.token_ids) == 15
     assert e.policy_mask[-2:] == [1, 1] and e.finish_reason == "length"
+
+
+def test_an_episode_near_the_context_end_does_not_shorten_the_others():
+    # episode 0 gets a long error reply and has 5 tokens of room left; episode 1 the full 12
+    short, long = TaskItem("a", "1 eggs, 2 more. total?", "3", "add"), ITEM
+    prompts = [enc(short.prompt), enc(long.prompt)]
+    generate, calls = scripted({0: ["calc(x)", "calc(1+2)"], 1: ["answer: 84"],
+                                2: ["answer: 3"]})
+    error = "error: not an arithmetic expression: 'x'"
+    context = len(prompts[0]) + 8 + len(error) + 5
+    room0 = 5
+    assert context - len(prompts[1]) - 10 - 3 >= 12
+    (e0,), (e1,) = run_episodes(generate, Calculator, [short, long], prompts, 1, max_turns=2,
+                                max_new_tokens=12, seed=5, decode=dec,
+                                encode_observation=enc, context=context)
+    # the full budget first (episode 1), then the small room (episode 0) with its own seed
+    assert calls[1:] == [(1, 1, 12, 5 + 1_000_033), (1, 1, room0, 5 + 1_000_033 + room0)]
+    assert e1.token_ids[-11:] == enc("answer: 84") + [EOS] and e1.finish_reason == "stop"
+    assert e0.token_ids[-room0:] == enc("answer: 3")[:room0] and e0.finish_reason == "length"
 
 
 def test_runner_requires_the_prompt_as_first_observation():

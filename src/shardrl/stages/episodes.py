@@ -16,7 +16,8 @@ episode's reward is the sum of its turns' rewards (the score stage's `task` veri
 
 Sampling is deterministic given `seed`: turn 0 samples all `n` episodes of each prompt in
 one call, as single-turn rollout does; turn t > 0 samples the running episodes with
-`seed + t * TURN_SEED_STRIDE`.
+`seed + t * TURN_SEED_STRIDE` (those with less room left in the context than
+`max_new_tokens` in calls of their own, see `_later_turn`).
 """
 
 from __future__ import annotations
@@ -93,15 +94,14 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
         running = [e for e in running if not e.over]
         if not running:
             break
-        budget = max_new_tokens
-        if context is not None:
-            budget = min(budget, min(context - len(e.context) for e in running))
         if t == 0:
-            groups = generate([list(ids) for ids in prompt_ids], n, budget, seed)
+            budget = max_new_tokens if context is None else min(
+                max_new_tokens, min(context - len(e.context) for e in running))
+            samples = [s for g in generate([list(ids) for ids in prompt_ids], n, budget, seed)
+                       for s in g]
         else:
-            groups = generate([e.context for e in running], 1, budget,
-                              seed + t * TURN_SEED_STRIDE)
-        samples = [s for group in groups for s in group]
+            samples = _later_turn(generate, running, max_new_tokens, context,
+                                  seed + t * TURN_SEED_STRIDE)
         for e, s in zip(running, samples, strict=True):
             result = e.env.step(decode(s.token_ids))
             last = result.done or t == max_turns - 1
@@ -117,6 +117,24 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
         out.append(EpisodeSample(tokens.response_token_ids, tokens.behavior_logprobs, e.finish,
                                  tokens.policy_mask, tokens.turn_rewards, tokens.turn_starts))
     return [out[i * n:(i + 1) * n] for i in range(len(items))]
+
+
+def _later_turn(generate: Generate, running: list[_Running], max_new_tokens: int,
+                context: int | None, seed: int) -> list:
+    """One sample per running episode, in order. Episodes with room in the context for
+    `max_new_tokens` share one call; each smaller room is a call of its own (seed + room),
+    so an episode near the end of the context never shortens the others' turns."""
+    budgets = [max_new_tokens if context is None else min(max_new_tokens,
+                                                          context - len(e.context))
+               for e in running]
+    samples: list = [None] * len(running)
+    for budget in sorted(set(budgets), reverse=True):
+        rows = [i for i, b in enumerate(budgets) if b == budget]
+        groups = generate([running[i].context for i in rows], 1, budget,
+                          seed + (0 if budget == max_new_tokens else budget))
+        for i, group in zip(rows, groups, strict=True):
+            samples[i] = group[0]
+    return samples
 
 
 class EpisodeRunner:
