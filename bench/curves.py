@@ -25,6 +25,22 @@ def time_to_reach(curve: Curve, target: float) -> float | None:
     return next((t for t, p in curve if p >= target - 1e-9), None)
 
 
+def time_to_reach_interpolated(curve: Curve, target: float) -> float | None:
+    """When the curve first crosses `target`, read off the straight line between the last
+    point below it and the first point at or above it; None if no point reaches it.
+
+    An estimate, not a bound: evaluations a few seconds apart put each system's first
+    *measured* time up to one interval late, and two systems evaluated at different moments
+    are late by different amounts; between points the curve is taken as linear.
+    """
+    for (t0, p0), (t1, p1) in zip(curve, curve[1:]):
+        if p0 >= target - 1e-9:
+            return t0
+        if p1 >= target - 1e-9:
+            return t0 + (t1 - t0) * (target - p0) / (p1 - p0)
+    return curve[0][0] if curve and curve[0][1] >= target - 1e-9 else None
+
+
 def pass_at(curve: Curve, seconds: float) -> float:
     """pass@1 of the newest point at or before `seconds`: what a user has at that time."""
     before = [p for t, p in curve if t <= seconds]
@@ -53,14 +69,18 @@ def time_to_target(reference: Curve, *others: Curve,
     """The target from `reference` (v0 = its t=0 point, `fraction` of its best gain) and
     each curve's first measured time at or above it: `reference` first, then `others`.
 
-    {"v0", "best", "target", "seconds": [reference's time, *others' times]}; a time is None
-    when that curve never reaches the target, and every time is None without a target.
+    {"v0", "best", "target", "seconds": [reference's time, *others' times], "crossing":
+    the same with `time_to_reach_interpolated`}; a time is None when that curve never
+    reaches the target, and every time is None without a target.
     """
     v0, best = reference[0][1], max(p for _, p in reference)
     target = target_pass(v0, best, fraction)
     curves = (reference, *others)
     seconds = [None if target is None else time_to_reach(c, target) for c in curves]
-    return {"v0": v0, "best": best, "target": target, "seconds": seconds}
+    crossing = [None if target is None else time_to_reach_interpolated(c, target)
+                for c in curves]
+    return {"v0": v0, "best": best, "target": target, "seconds": seconds,
+            "crossing": crossing}
 
 
 def binomial_se(p: float, n: int) -> float:

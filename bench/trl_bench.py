@@ -119,6 +119,7 @@ def compare(shardrl: Curve, trl: Curve) -> dict:
     reach = time_to_reach(shardrl, trl_pass)
     target = time_to_target(trl, shardrl)
     trl_t, shardrl_t = target["seconds"]
+    trl_x, shardrl_x = target["crossing"]
     return {"trl_final_pass": trl_pass, "trl_final_seconds": trl_time,
             "trl_best_pass": max(p for _, p in trl),
             "shardrl_best_pass": max(p for _, p in shardrl),
@@ -127,21 +128,28 @@ def compare(shardrl: Curve, trl: Curve) -> dict:
             "pass_gap": pass_at(shardrl, trl_time) - trl_pass,
             "v0": target["v0"], "target": target["target"],
             "trl_seconds_to_target": trl_t, "shardrl_seconds_to_target": shardrl_t,
-            "target_time_ratio": ratio(shardrl_t, trl_t)}
+            "target_time_ratio": ratio(shardrl_t, trl_t),
+            "trl_crossing_s": trl_x, "shardrl_crossing_s": shardrl_x,
+            "target_time_ratio_interpolated": ratio(shardrl_x, trl_x)}
 
 
 def compare_sync(shardrl: dict, sync: dict) -> dict:
     """ShardRL against the synchronous baseline (both sides' results, curves included).
 
     `time_speedup`: the baseline's first measured time at or above v0 + 0.7 x (its best - v0)
-    over ShardRL's (None when ShardRL never reached it). `samples_per_s_ratio`: steady-state
+    over ShardRL's (None when ShardRL never reached it); `time_speedup_interpolated`: the
+    same with each curve's crossing read between its evaluations
+    (`curves.time_to_reach_interpolated`). `samples_per_s_ratio`: steady-state
     samples/s, ShardRL's over the baseline's; `samples_per_s_ratio_whole_run`: whole runs.
     """
     target = time_to_target(sync["curve"], shardrl["curve"])
     sync_t, shardrl_t = target["seconds"]
+    sync_x, shardrl_x = target["crossing"]
     return {"v0": target["v0"], "sync_best_pass": target["best"], "target": target["target"],
             "sync_seconds_to_target": sync_t, "shardrl_seconds_to_target": shardrl_t,
             "time_speedup": ratio(sync_t, shardrl_t),
+            "sync_crossing_s": sync_x, "shardrl_crossing_s": shardrl_x,
+            "time_speedup_interpolated": ratio(sync_x, shardrl_x),
             "samples_per_s_ratio": ratio(shardrl.get("steady_samples_per_s"),
                                          sync.get("steady_samples_per_s")),
             "samples_per_s_ratio_whole_run": ratio(shardrl["samples_per_s"],
@@ -470,9 +478,13 @@ def summarize(rows: list[dict]) -> dict:
         "pass_gap": over(lambda r: r["pass_gap"]),
         "samples_per_s_ratio": over(lambda r: r["samples_per_s_ratio"]),
         "target_time_ratio": over(lambda r: r["target_time_ratio"], "high"),
+        "target_time_ratio_interpolated":
+            over(lambda r: r.get("target_time_ratio_interpolated"), "high"),
         "target": over(lambda r: r["target"]),
         "vs_sync": {
             "time_speedup": over(lambda r: r["vs_sync"]["time_speedup"], "low"),
+            "time_speedup_interpolated":
+                over(lambda r: r["vs_sync"].get("time_speedup_interpolated"), "low"),
             "samples_per_s_ratio": over(lambda r: r["vs_sync"]["samples_per_s_ratio"]),
             "samples_per_s_ratio_whole_run":
                 over(lambda r: r["vs_sync"]["samples_per_s_ratio_whole_run"]),

@@ -16,6 +16,7 @@ from bench.curves import (
     steady_samples_per_s,
     target_pass,
     time_to_reach,
+    time_to_reach_interpolated,
     time_to_target,
 )
 from bench.run_all import _spread
@@ -53,7 +54,26 @@ def test_time_to_target_uses_the_reference_curve_and_first_measured_times():
     # a reference that gained nothing has no target: no times at all
     flat = [(0.0, 0.5), (10.0, 0.5), (20.0, 0.45)]
     assert time_to_target(flat, SHARDRL) == {"v0": 0.5, "best": 0.5, "target": None,
-                                             "seconds": [None, None]}
+                                             "seconds": [None, None],
+                                             "crossing": [None, None]}
+
+
+def test_interpolated_crossing_reads_the_line_between_evaluations():
+    # SHARDRL crosses 0.675 between (10, 0.6) and (20, 0.8): 10 + 10 x 0.075 / 0.2 = 13.75
+    assert time_to_reach_interpolated(SHARDRL, 0.675) == pytest.approx(13.75)
+    # TRL between (0, 0.5) and (30, 0.7): 30 x 0.175 / 0.2 = 26.25
+    assert time_to_reach_interpolated(TRL, 0.675) == pytest.approx(26.25)
+    # a point exactly on the target is its own crossing; the start counts when already there
+    assert time_to_reach_interpolated(SHARDRL, 0.8) == pytest.approx(20.0)
+    assert time_to_reach_interpolated(SHARDRL, 0.5) == 0.0
+    # a dip after a crossing does not move it; never reached: None
+    assert time_to_reach_interpolated([(0.0, 0.5), (10.0, 0.9), (20.0, 0.6)], 0.7) == pytest.approx(5.0)
+    assert time_to_reach_interpolated(TRL, 0.76) is None
+    # first crossing, not the last: 0.5 -> 0.7 (crosses 0.65 at 7.5), 0.6, then 0.8
+    assert time_to_reach_interpolated([(0.0, 0.5), (10.0, 0.7), (20.0, 0.6), (30.0, 0.8)],
+                                      0.65) == pytest.approx(7.5)
+    got = time_to_target(TRL, SHARDRL)
+    assert got["crossing"] == [pytest.approx(26.25), pytest.approx(13.75)]
 
 
 def test_time_to_reach_counts_equal_as_reached():
@@ -82,6 +102,11 @@ def test_compare_sync_speedup_and_sample_rates():
     assert got["target"] == pytest.approx(0.605)
     assert got["sync_seconds_to_target"] == 30.0 and got["shardrl_seconds_to_target"] == 20.0
     assert got["time_speedup"] == pytest.approx(1.5)
+    # crossings: sync between (15, 0.55) and (30, 0.65): 15 + 15 x 0.055 / 0.1 = 23.25;
+    # ShardRL between (10, 0.6) and (20, 0.8): 10 + 10 x 0.005 / 0.2 = 10.25
+    assert got["sync_crossing_s"] == pytest.approx(23.25)
+    assert got["shardrl_crossing_s"] == pytest.approx(10.25)
+    assert got["time_speedup_interpolated"] == pytest.approx(23.25 / 10.25)
     assert got["samples_per_s_ratio"] == pytest.approx(1.5)  # steady: 300 / 200
     assert got["samples_per_s_ratio_whole_run"] == pytest.approx(2.0)  # 250 / 125
     slow = compare_sync({**shardrl, "curve": [(0.0, 0.5), (40.0, 0.6)],
