@@ -7,6 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..store import RunKeys, Store
 from ..store.records import Buffered, Progress, RetiredChange, WorkerState
@@ -348,8 +349,8 @@ def _table(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list
 
 def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float,
                  flow: Flow) -> None:
-    lengths = np.array([len(r) for r in table.column("response_token_ids").to_pylist()])
-    truncated = np.array(table.column("finish_reason").to_pylist()) == "length"
+    lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy()  # (N,)
+    truncated = pc.equal(table.column("finish_reason"), "length").to_numpy()     # (N,)
     latest = ctx.latest_version() or version
     ctx.metrics.log(version, {
         "response_length_mean": float(lengths.mean()),
