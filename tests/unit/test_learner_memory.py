@@ -126,3 +126,35 @@ def test_logits_chunk_fits_the_budget():
     assert logits_chunk(8, 4096, 1.0) == 8
     assert logits_chunk(64, 49152, 1.0) == 1  # never below one position
     assert logits_chunk(8, 4096, None) is None
+
+
+def test_activation_checkpointing_keeps_the_gradient_and_saves_less():
+    """With transformers' gradient checkpointing the backward pass gives the same gradients
+    while the forward keeps fewer bytes for it (counted through autograd's saved-tensor
+    hooks): each block's input instead of everything inside the blocks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardrl.learner_backends import PolicyModule
+
+    def run(checkpointing: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=13, hidden_size=16, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+        if checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.train()
+        policy = PolicyModule(lm)
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [7, 8, 9, 2, 4, 4, 5, 6]])
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = -policy(ids, torch.ones_like(ids), torch.tensor([2, 3])).logprobs.sum()
+        loss.backward()
+        return [p.grad.clone() for p in lm.parameters()], sum(saved)
+
+    plain, plain_bytes = run(False)
+    ckpt, ckpt_bytes = run(True)
+    for a, b in zip(plain, ckpt, strict=True):
+        torch.testing.assert_close(a, b)
+    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)

@@ -183,6 +183,10 @@ class LearnerConfig(Section):
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight; published versions hold the merged
     weights. None: full fine-tuning. Plain torch backend only."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input through the forward pass and recompute the
+    block in the backward pass (transformers' gradient checkpointing): the activations of
+    a micro-batch shrink to one block's, for about one more forward pass of compute."""
     logits_chunk_mb: float | None = Field(256.0, gt=0.0, le=1e7)
     """Largest float32 logits tensor (MiB) the learner materializes: longer or wider batches
     compute the output head, softmax and logprobs over chunks of response positions,

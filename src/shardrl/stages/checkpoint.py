@@ -14,9 +14,14 @@ from ..store.records import CheckpointPointer
 def save_checkpoint(store: Store, keys: RunKeys, step: int,
                     files: dict[str, dict[str, torch.Tensor]], keep: int) -> None:
     """Write `files` (name -> tensors, each as safetensors) under learner/ckpt-<step>/, then
-    move LATEST to it and delete all but the newest `keep` checkpoints."""
-    for name, tensors in files.items():
-        store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), st_save(tensors))
+    move LATEST to it and delete all but the newest `keep` checkpoints.
+
+    Each file's tensors leave `files` as it is serialized, so (when `files` held the last
+    reference) at most one file exists twice in memory, as tensors and as bytes."""
+    for name in list(files):
+        data = st_save(files.pop(name))
+        store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), data)
+        del data
     CheckpointPointer(step=step).write(store, keys.latest_learner())
     _prune(store, keys, step, keep)
 

@@ -42,6 +42,9 @@ class Learner:
 
             self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
                                   lora.target_modules, seed=cfg.seed)
+        if cfg.learner.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.pad_id = tok.pad_token_id
         state = Progress.read(store, keys.progress())
