@@ -5,8 +5,8 @@ A shard is one immutable Parquet file (zstd) whose columns match a schema of
 are cast on the way (int64 -> int32 when every value fits, float64 -> float32 when no
 finite value overflows, large_string -> string, an all-null column -> any nullable type);
 anything else is a SchemaError. The boundary schemas from rollout on may be followed by all
-of `schemas.EPISODE`'s columns (multi-turn episodes), checked the same way. A shard that cannot be read or violates its schema is
-moved to quarantine with an `.error.json` beside it.
+of `schemas.EPISODE`'s columns (multi-turn episodes), checked the same way. A shard that
+cannot be read or violates its schema is moved to quarantine with an `.error.json` beside it.
 """
 
 from __future__ import annotations
