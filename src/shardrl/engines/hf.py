@@ -1,7 +1,8 @@
 """Generation with a transformers causal LM: batched, KV-cached, stopping per row on eos.
 
-All `n` samples of all prompts go through the model as one left-padded batch. Each decoding
-step is one forward over the newest token per row with the model's key/value cache; the
+The prompts are prefilled once, as one left-padded batch, and their cache repeated for the
+`n` samples of each; then all samples decode as one batch. Each decoding step is one forward
+over the newest token per row with the model's key/value cache; the
 sampling, the stop bookkeeping and the behaviour log-probabilities are whole-batch tensor
 operations, so there is no per-row Python work inside the loop.
 """
@@ -111,30 +112,42 @@ class HFEngine:
         max_new_tokens: int,
         seed: int,
     ) -> list[list[Sample]]:
-        """Sample `n` responses per prompt; see `Engine.generate`."""
+        """Sample `n` responses per prompt; see `Engine.generate`.
+
+        The prompts are prefilled once each; their key/value cache and last hidden state are
+        then repeated for the `n` samples (a group's samples share their prompt, and the
+        prefill was most of a short generation's cost when run on every sample's copy).
+        """
         device = self.device
-        rows = [p for p in prompt_token_ids for _ in range(n)]
-        batch, width = len(rows), max(len(p) for p in rows)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        width = max(len(p) for p in prompt_token_ids)
+        batch = len(prompt_token_ids) * n
+        prompt_ids = torch.full((len(prompt_token_ids), width), self.pad_token_id,
+                                dtype=torch.long)  # (P, T)
+        attention = torch.zeros((len(prompt_token_ids), width), dtype=torch.long)  # (P, T)
+        for i, p in enumerate(prompt_token_ids):  # left padding
+            prompt_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p):] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        prompt_ids, attention = prompt_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (P, T)
         generator = torch.Generator(device=device).manual_seed(seed)
+
+        out = self.model.base_model(input_ids=prompt_ids, attention_mask=attention,
+                                    position_ids=positions, use_cache=True)
+        cache = out.cache
+        hidden = out.last_hidden_state[:, -1]  # (P, H)
+        if n > 1:  # row i * n + j is sample j of prompt i
+            cache.batch_repeat_interleave(n)
+            hidden = hidden.repeat_interleave(n, dim=0)  # (B, H)
+            attention = attention.repeat_interleave(n, dim=0)  # (B, T)
+            positions = positions.repeat_interleave(n, dim=0)  # (B, T)
+        step_pos = positions[:, -1:]  # (B, 1)
 
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long,
                             device=device)  # (B, N)
         logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
-        cache = None
-        step_ids, step_pos = input_ids, positions
         for t in range(max_new_tokens):
-            out = self.model.base_model(input_ids=step_ids, attention_mask=attention,
-                                   position_ids=step_pos, cache=cache, use_cache=True)
-            cache = out.cache
-            logits = self._logits(out.last_hidden_state[:, -1])  # (B, V)
+            logits = self._logits(hidden)  # (B, V)
             if temperature <= 0:
                 tok = logits.argmax(-1)  # (B,)
                 tok_logp = torch.zeros(batch, device=device)
@@ -146,11 +159,14 @@ class HFEngine:
             tokens[:, t] = tok
             logprobs[:, t] = tok_logp.masked_fill(done, 0.0)
             done = done | (tok == self.eos_token_id)
-            if bool(done.all()):
+            if bool(done.all()) or t == max_new_tokens - 1:
                 break
-            step_ids = tok[:, None]  # (B, 1)
-            step_pos = step_pos[:, -1:] + 1  # (B, 1)
+            step_pos = step_pos + 1  # (B, 1)
             attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
+            out = self.model.base_model(input_ids=tok[:, None], attention_mask=attention,
+                                        position_ids=step_pos, cache=cache, use_cache=True)
+            cache = out.cache
+            hidden = out.last_hidden_state[:, -1]  # (B, H)
 
         is_eos = tokens == self.eos_token_id  # (B, N)
         has_eos = is_eos.any(-1)  # (B,)
