@@ -2,6 +2,8 @@
 
 import itertools
 
+import pytest
+
 from shardrl.tasks.builtin import BuiltinTask, TaskItem, count_carries, split_of, verify
 
 
@@ -58,3 +60,23 @@ def test_operands_respect_max_digits_and_cover_each_digit_count():
     operands = [int(x) for it in items for x in it.prompt[:-1].split("+")]
     assert max(operands) <= 99
     assert {len(str(x)) for x in operands} == {1, 2}
+
+
+def test_config_max_digits_reaches_the_task():
+    from shardrl.config import ConfigError, validate
+    from shardrl.tasks.source import make_task
+
+    cfg = validate({"task": {"source": {"kind": "builtin", "name": "addition", "max_digits": 2,
+                                        "heldout_size": 16}}}, "test")
+    task = make_task(cfg)
+    operands = [int(x) for item in task.train_items(0, 0, 300)
+                for x in item.prompt.rstrip("=").split("+")]
+    assert max(operands) <= 99 and min(operands) >= 0
+    assert {len(str(x)) for x in operands} == {1, 2}
+    assert validate({}, "test").task.source.max_digits == 3
+    # 10,000 two-digit sums, about 1,000 held out: at most 500 can be asked for
+    assert validate({"task": {"source": {"kind": "builtin", "name": "addition", "max_digits": 2,
+                                         "heldout_size": 500}}}, "test")
+    with pytest.raises(ConfigError, match=r"heldout_size` \(501\) exceeds half the held-out"):
+        validate({"task": {"source": {"kind": "builtin", "name": "addition", "max_digits": 2,
+                                      "heldout_size": 501}}}, "test")

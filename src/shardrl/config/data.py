@@ -14,9 +14,13 @@ class BuiltinTask(Section):
 
     kind: Literal["builtin"] = "builtin"
     name: Literal["cipher", "addition", "calculator", "guess"] = "cipher"
-    """'cipher': shift each letter of a word one place; 'addition': sums of numbers up to 999;
-    'calculator': word problems solved with the `calc(expr)` tool; 'guess': find a number
-    from higher/lower replies (the last two are episodes: set `task.environment`)."""
+    """'cipher': shift each letter of a word one place; 'addition': sums of numbers of up to
+    `max_digits` digits; 'calculator': word problems solved with the `calc(expr)` tool;
+    'guess': find a number from higher/lower replies (the last two are episodes: set
+    `task.environment`)."""
+    max_digits: int = Field(3, ge=2, le=9)
+    """'addition' only: operands have 1 to this many digits (2 gives 10,000 prompts, about a
+    tenth of them held out)."""
     demo_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of SFT demonstrations with one wrong character, as an imperfect demonstrator
     writes them (the verifier used by RL is never wrong)."""
@@ -24,6 +28,17 @@ class BuiltinTask(Section):
     """Size of the fixed held-out split used by evaluation."""
     seed: int = Field(0, ge=0)
     """Seed of the training prompt stream and of the demonstrations."""
+
+
+    @model_validator(mode="after")
+    def _enough_heldout_sums(self) -> BuiltinTask:
+        most = 10 ** (2 * self.max_digits) // 20  # half the ~10% of prompts held out
+        if self.name == "addition" and self.heldout_size > most:
+            raise ValueError(
+                f"`task.source.heldout_size` ({self.heldout_size}) exceeds half the held-out "
+                f"sums of {self.max_digits}-digit numbers (about {2 * most}): lower "
+                "heldout_size or raise max_digits")
+        return self
 
 
 class DatasetTask(Section):

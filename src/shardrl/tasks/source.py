@@ -62,7 +62,7 @@ def make_task(cfg: RunConfig) -> TaskData:
 def _builtin(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
     if source.name in ("calculator", "guess"):
         return _episodic(cfg, source)
-    task = CipherTask() if source.name == "cipher" else BuiltinTask()
+    task = CipherTask() if source.name == "cipher" else BuiltinTask(max_digits=source.max_digits)
 
     def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
         stream = task.train_prompts(_mix(cfg.seed, source.seed, worker, seq))
