@@ -50,7 +50,7 @@ def main(ctx: StageContext) -> int:
                else None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     episodes = episode_runner(ctx, engine)  # None: single responses
-    paused, skipped = False, 0
+    paused, skipped = None, 0  # paused: monotonic time the current pause began
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
@@ -61,15 +61,16 @@ def main(ctx: StageContext) -> int:
                 break
             progress = Progress.read(store, keys.progress())
             if not ctx.once and flow.full(progress):
-                if not paused:
+                if paused is None:
                     ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
-                    paused = True
+                    paused = time.monotonic()
                 flow.pause(rc.poll_interval_s)
                 continue
-            if paused:  # woken by the learner's commit: how long after its capture
+            if paused is not None:  # woken by the learner's commit: how long after its capture
                 ctx.metrics.log(progress.version,
-                                {"resume_lag_s": time.time() - (progress.time or time.time())})
-            paused = False
+                                {"resume_lag_s": time.time() - (progress.time or time.time()),
+                                 "pause_s": time.monotonic() - paused})
+            paused = None
             # progress.json is written after the weights it names and just before LATEST.json
             engine.ensure(max(ctx.latest_version() or 0, progress.version))
             # several shards in one generation batch when the backlog has room for them
