@@ -1,9 +1,16 @@
-"""The ready shards the learner has read and not yet committed, and the batching rule."""
+"""The ready shards the learner has read and not yet committed, and the batching rule.
+
+The learner lists new shards itself (the ledger it checks them against changes only on its
+thread) and decodes them on a reader thread, so shards that arrive during an update are read
+while it runs: a step whose batch is already buffered does not wait for the newer shards'
+reads. Reads finish in listing order, and a shard counts as buffered only once it is read.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -38,30 +45,52 @@ class ReadyBuffer:
         once when it is read (`counts` runs at every commit, over the whole buffer)."""
         self.waiting = False
         """Whether the learner waited for data just before the current read."""
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-read")
+        self.reads: list[tuple[str, bool, Future]] = []
+        """(key, listed while waiting for data, its read) of listed shards not yet buffered,
+        in listing order."""
 
-    def poll(self, version: int) -> bool:
-        """Read the shards that appeared up to `version`; whether there were any."""
-        buffered = {k for k, _ in self.items}
-        new = [k for k in self.scanner.poll(version) if k not in buffered]
-        for key in new:
-            self._read(key)
+    def poll(self, version: int, block: bool = False) -> bool:
+        """List the shards that appeared up to `version` and start reading them; buffer the
+        reads that are done (all of them with `block`). Whether anything was buffered."""
+        known = {k for k, _ in self.items} | {k for k, _, _ in self.reads}
+        new = [k for k in self.scanner.poll(version) if k not in known]
+        self.reads += [(key, self.waiting, self.reader.submit(self._read, key)) for key in new]
         if new:
             self.arrivals.reset()
         self.waiting = False
-        return bool(new)
+        return self.collect(block)
 
-    def _read(self, key: str) -> None:
-        started = time.monotonic()
-        table = read_or_quarantine(self.ctx.store, key, READY, "learn")
-        self.profile.read_s += time.monotonic() - started
-        if table is None:
-            self.ctx.log.warning("quarantined %s", key)
-            return
-        if self.waiting:
-            self.profile.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
-        self.items.append((key, table))
-        self.tallies[key] = (parse_shard_key(key).worker,
-                             len(pc.unique(table.column("group_id"))), kept_groups(table))
+    def reading(self) -> bool:
+        """Whether listed shards are still being read."""
+        return bool(self.reads)
+
+    def collect(self, block: bool) -> bool:
+        """Buffer the finished reads at the front of the queue (every read with `block`);
+        whether any was buffered. A read's error is raised here."""
+        buffered = False
+        while self.reads and (block or self.reads[0][2].done()):
+            key, waited, future = self.reads.pop(0)
+            started = time.monotonic()
+            table = future.result()
+            self.profile.read_s += time.monotonic() - started  # the wait for it, if any
+            if table is None:
+                self.ctx.log.warning("quarantined %s", key)
+                continue
+            if waited:
+                self.profile.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
+            self.items.append((key, table))
+            self.tallies[key] = (parse_shard_key(key).worker,
+                                 len(pc.unique(table.column("group_id"))), kept_groups(table))
+            buffered = True
+        return buffered
+
+    def _read(self, key: str) -> pa.Table | None:
+        """A ready shard, or None once it is quarantined (on the reader thread)."""
+        return read_or_quarantine(self.ctx.store, key, READY, "learn")
+
+    def close(self) -> None:
+        self.reader.shutdown(wait=True, cancel_futures=True)
 
     def wait(self, timeout: float) -> None:
         """Wait for a new ready shard (or `timeout`)."""

@@ -126,6 +126,7 @@ class Learner:
         try:
             return self._lead()
         finally:
+            self.buffer.close()
             self.writer.close()
             # stop the followers, unless they are inside a collective this rank left by an
             # error: then this rank's exit ends the whole torchrun world
@@ -137,6 +138,9 @@ class Learner:
         while self.version < lc.total_steps:
             new = buffer.poll(self.version)
             batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
+            if batch is None and buffer.reading():  # what the batch lacks is being read
+                new = buffer.collect(block=True) or new
+                batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
             if batch is None and ctx.once:  # the round's inputs are all in: step on them
                 batch = buffer.whole(self.version, self.k())
             if batch is not None:
