@@ -309,3 +309,10 @@ def test_config_asks_for_an_environment():
         RunConfig.model_validate({"rollout": {"max_turns": 2}})
     with pytest.raises((ConfigError, ValueError), match="task.environment: guess"):
         RunConfig.model_validate({"task": {"source": {"kind": "builtin", "name": "guess"}}})
+
+
+def test_the_splits_hold_enough_distinct_prompts():
+    for task in (CalcTask(), GuessTask()):
+        heldout, validation = task.heldout(256), task.validation(256)
+        assert len({it.prompt for it in heldout}) == 256 == len({it.prompt for it in validation})
+        assert not {it.prompt for it in heldout} & {it.prompt for it in validation}

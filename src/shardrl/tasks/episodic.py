@@ -7,8 +7,8 @@ tool, `calc(8*47)`, reads the reply `= 376` and states `answer: 376`; with proba
 warm-started on these demonstrations calls the tool most of the time and guesses the rest:
 RL with the environment's reward learns that the tool pays.
 
-`guess`: find a secret number in a range from `higher`/`lower` replies, e.g. prompt
-`"guess 23-37"`. The demonstrator bisects (`guess: 30`, `= higher`, `guess: 34`, ...); with
+`guess`: find a secret number in a range of 8 to 16 numbers from `higher`/`lower` replies,
+e.g. prompt `"guess 523-537"`. The demonstrator bisects (`guess: 30`, `= higher`, `guess: 34`, ...); with
 probability `demo_error_rate` one of its guesses is off the middle by one, which costs a turn.
 
 Both are `SplitTask`s: disjoint held-out, validation and training prompts by hash.
@@ -126,7 +126,7 @@ class GuessTask(SplitTask):
         return _item(f"guess {low}-{high}", str(secret), f"width_{high - low + 1}")
 
     def _draw(self, rng: random.Random) -> TaskItem:
-        low = rng.randint(0, 80)
+        low = rng.randint(0, 980)  # about 8,800 ranges: 10% of them make 256 held-out items
         high = low + rng.randint(7, GUESS_MAX_WIDTH)
         return self.make_item(low, high, rng.randint(low, high))
 
