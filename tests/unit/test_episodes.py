@@ -316,3 +316,21 @@ def test_the_splits_hold_enough_distinct_prompts():
         heldout, validation = task.heldout(256), task.validation(256)
         assert len({it.prompt for it in heldout}) == 256 == len({it.prompt for it in validation})
         assert not {it.prompt for it in heldout} & {it.prompt for it in validation}
+
+
+def test_learner_gae_rewards_sit_on_the_last_policy_token_of_an_episode():
+    from shardrl.config import RunConfig
+    from shardrl.stages.update import gae_rewards
+
+    # an episode cut after the environment's reply (its last 4 tokens are not the policy's),
+    # and a single response: the sequence reward goes to the last token the policy generated
+    table = _rollout_table(_two_episodes())
+    mask = table.column("policy_mask").to_pylist()
+    mask[0] = mask[0][:11] + [0] * 15  # as if turn 2 were the environment's
+    table = table.set_column(table.column_names.index("policy_mask"), "policy_mask",
+                             pa.array(mask, pa.list_(pa.int8())))
+    table = table.append_column("reward_total", pa.array([2.0, -1.0], pa.float32()))
+    batch = build_batch(table, pad_id=0)
+    rewards = gae_rewards(RunConfig(), table, batch, torch.zeros_like(batch.response_mask), 0.0)
+    assert rewards[0].nonzero().tolist() == [[10]] and rewards[0, 10] == 2.0
+    assert rewards[1].nonzero().tolist() == [[10]] and rewards[1, 10] == -1.0
