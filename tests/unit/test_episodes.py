@@ -116,6 +116,14 @@ def test_an_episode_near_the_context_end_does_not_shorten_the_others():
     assert e0.token_ids[-room0:] == enc("answer: 3")[:room0] and e0.finish_reason == "length"
 
 
+def test_a_prompt_without_room_in_the_context_is_an_error():
+    generate, _ = scripted({0: ["answer: 84"]})
+    prompt = enc(ITEM.prompt)
+    with pytest.raises(ValueError, match="fills the model's context of 26"):
+        run_episodes(generate, Calculator, [ITEM], [prompt], 1, max_turns=2, max_new_tokens=8,
+                     seed=0, decode=dec, encode_observation=enc, context=len(prompt))
+
+
 def test_runner_requires_the_prompt_as_first_observation():
     class Other(Calculator):
         def reset(self, item):

@@ -88,7 +88,7 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
             episodes.append(_Running(env, list(ids), []))
     for t in range(max_turns):
         running = [e for e in episodes if not e.over]
-        for e in running:
+        for e in running if t > 0 else ():
             if context is not None and context - len(e.context) < 1:
                 e.over = True  # no room for another token: finish stays "length"
         running = [e for e in running if not e.over]
@@ -97,6 +97,8 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
         if t == 0:
             budget = max_new_tokens if context is None else min(
                 max_new_tokens, min(context - len(e.context) for e in running))
+            if budget < 1:
+                raise ValueError(f"a prompt fills the model's context of {context} tokens")
             samples = [s for g in generate([list(ids) for ids in prompt_ids], n, budget, seed)
                        for s in g]
         else:
