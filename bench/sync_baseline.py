@@ -253,7 +253,7 @@ class SyncTrainer:
         as the learner's `next_batch` takes them; one table of all their rows."""
         import pyarrow as pa
 
-        from shardrl.stages.learn.buffer import FILTERED_LIMIT
+        from shardrl.stages.staleness import FILTERED_LIMIT
 
         b, per = self.cfg.learner.batch_prompts, self.cfg.rollout.prompts_per_shard
         ready, kept, total = [], set(), set()

@@ -8,6 +8,7 @@ from shardrl.stages.staleness import (
     batch_shards,
     effective_k,
     gc_horizon,
+    group_cap,
     keep_rate,
     kept_backlog,
     worker_share,
@@ -59,6 +60,18 @@ def test_batch_shards_fill_the_room_between_one_and_the_maximum():
     assert batch_shards(0, 4.0, 8) == 1  # always at least one
     assert batch_shards(-3, 4.0, 8) == 1
     assert batch_shards(5, 0.0, 8) == 8  # nothing kept so far: the largest batch
+
+
+def test_groups_of_any_kind_are_bounded_too():
+    # a worker with a cap of 16 kept groups may have 8 x 16 = 128 groups waiting, kept or not;
+    # two such workers hold 256 >= the 8 batches of 16 the learner steps on when few are kept
+    assert group_cap(16) == 128
+    assert 2 * group_cap(backlog_cap(16, 2, max_backlog_steps=1, k=0)) >= 8 * 16
+    # nothing kept so far (kept_per_shard 0) but 40 groups of room left at 16 per shard:
+    # 3 shards (2.5 rounded up), not the 8 the kept room alone would allow
+    assert batch_shards(5, 0.0, 8, group_room=40, groups_per_shard=16) == 3
+    assert batch_shards(32, 4.0, 8, group_room=1000, groups_per_shard=16) == 8
+    assert batch_shards(32, 4.0, 8, group_room=0, groups_per_shard=16) == 1  # at least one
 
 
 def test_gc_horizon():

@@ -173,6 +173,11 @@ class LearnerConfig(Section):
     """Longest wait between listings while waiting for data (a commit wakes it sooner)."""
     doctor_every: int = Field(10, ge=1, le=1_000_000)
     """Run the live doctor every this many steps."""
+    max_batches_without_signal: int | None = Field(64, ge=1, le=1_000_000)
+    """Stop the run (ABORTED.json, with the diagnosis) once this many batches' worth of
+    prompt groups (`batch_prompts` each) in a row had none kept by filtering: every group's
+    rewards were all equal, so there is nothing to learn from (the policy solves none, or
+    all, of its prompts). None: keep going."""
     publish: PublishConfig = PublishConfig()
     """Published weights: dtype, deltas and full snapshots."""
     micro_batch: int | None = Field(None, ge=1, le=1_000_000)

@@ -301,6 +301,11 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 continue
             running += 1
             if p.restart_at is None:
+                marker = Aborted.read(lr.store, lr.keys.aborted(), optional=True)
+                if marker is not None:  # the stage (or another) stopped the run for good
+                    monitor.say(f"run aborted: {marker.describe()}")
+                    lr.stop_all()
+                    return 1
                 if code == EXIT_STORE_UNAVAILABLE:
                     lr.store.exists(lr.keys.run_json())  # raises StoreUnavailable if still down
                 if p.restarts >= limit:

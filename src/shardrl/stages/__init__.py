@@ -7,6 +7,9 @@ import os
 
 EXIT_STORE_UNAVAILABLE = 75
 """Exit status of a stage that waited `store.retry.deadline_s` for the object store in vain."""
+EXIT_RUN_ABORTED = 3
+"""Exit status of a stage that stopped the run itself: it wrote ABORTED.json with the reason,
+and a restart would meet the same condition (the learner without signal to learn from)."""
 
 
 def run(args) -> int:

@@ -21,6 +21,7 @@ from .staleness import (
     backlog_cap,
     batch_shards,
     effective_k,
+    group_cap,
     keep_rate,
     kept_backlog,
     worker_share,
@@ -222,8 +223,14 @@ class Flow:
                         lc.halve_staleness_at)
         return backlog_cap(lc.batch_prompts, self.ctx.workers, cfg.rollout.max_backlog_steps, k)
 
+    def waiting_groups(self, progress: Progress) -> int:
+        """Prompt groups, kept or not, this worker wrote that the learner has not committed."""
+        return max(0, self.groups - progress.groups_by_worker.get(self.ctx.worker, 0))
+
     def full(self, progress: Progress) -> bool:
-        return self.backlog(progress) >= self.cap(progress)
+        cap = self.cap(progress)
+        return (self.backlog(progress) >= cap
+                or self.waiting_groups(progress) >= group_cap(cap))
 
     def pause(self, timeout: float) -> None:
         """Wait for the learner's next commit (or `timeout`)."""
@@ -252,7 +259,11 @@ class Flow:
             room = share - (self.round_kept if self.exact
                             else self.round_groups * self.round_rate)
         else:
-            room = self.cap(progress) - self.backlog(progress)
+            cap = self.cap(progress)
+            room = cap - self.backlog(progress)
+            return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards,
+                                group_cap(cap) - self.waiting_groups(progress),
+                                rc.prompts_per_shard)
         return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards)
 
     def round_done(self) -> bool:

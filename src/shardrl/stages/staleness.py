@@ -33,9 +33,21 @@ def worker_share(batch_prompts: int, workers: int) -> int:
     return -(-batch_prompts // workers)
 
 
+FILTERED_LIMIT = 8
+"""The learner steps anyway once this many batches' worth of groups wait and too few were kept
+by filtering; a worker also pauses once this many times its cap of kept groups are waiting,
+kept or not, so a run whose groups are all filtered does not fill the store."""
+
+
 def backlog_cap(batch_prompts: int, workers: int, max_backlog_steps: int, k: int) -> int:
     """Kept prompt groups a worker may have waiting for the learner before it pauses."""
     return worker_share(batch_prompts, workers) * (1 + min(max_backlog_steps, k))
+
+
+def group_cap(cap: int) -> int:
+    """Prompt groups, kept or not, a worker whose cap of kept ones is `cap` may have waiting:
+    summed over the workers, at least the `FILTERED_LIMIT` batches the learner steps on."""
+    return FILTERED_LIMIT * cap
 
 
 def kept_backlog(kept_written: float, kept_processed: float) -> float:
@@ -50,12 +62,15 @@ def keep_rate(kept_processed: int, groups_processed: int, prior: float = 1.0) ->
     return kept_processed / groups_processed if groups_processed else prior
 
 
-def batch_shards(room: float, kept_per_shard: float, max_shards: int) -> int:
+def batch_shards(room: float, kept_per_shard: float, max_shards: int,
+                 group_room: float | None = None, groups_per_shard: int = 1) -> int:
     """Shards a worker generates in one batch: enough to fill `room` kept groups of backlog
-    at `kept_per_shard` each (rounded up), between 1 and `max_shards`."""
-    if kept_per_shard <= 0:
-        return max_shards
-    return max(1, min(max_shards, math.ceil(room / kept_per_shard)))
+    at `kept_per_shard` each (rounded up), and no more than fill `group_room` groups of any
+    kind (rounded up; None: no such bound), between 1 and `max_shards`."""
+    n = max_shards if kept_per_shard <= 0 else math.ceil(room / kept_per_shard)
+    if group_room is not None:
+        n = min(n, math.ceil(group_room / groups_per_shard))
+    return max(1, min(max_shards, n))
 
 
 def gc_horizon(learner_version: int, max_staleness: int) -> int:

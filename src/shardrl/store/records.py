@@ -251,5 +251,6 @@ class Aborted(Record):
 
     def describe(self) -> str:
         who = self.stage if self.worker == 0 else f"{self.stage} worker {self.worker}"
-        return (f"{who} failed for good (exit {self.exit_code} after {self.restarts} "
-                f"restart(s)){': ' + self.reason if self.reason else ''}")
+        how = (f"failed for good (exit {self.exit_code} after {self.restarts} restart(s))"
+               if self.restarts else f"stopped the run (exit {self.exit_code})")
+        return f"{who} {how}{': ' + self.reason if self.reason else ''}"

@@ -22,11 +22,8 @@ from ...store.shards import read_or_quarantine
 from ..context import StageContext
 from ..inline import kept_groups
 from ..scan import Scanner
-from ..staleness import admitted
+from ..staleness import FILTERED_LIMIT, admitted
 from .profile import Profile
-
-FILTERED_LIMIT = 8
-"""Step anyway once this many batches' worth of groups wait and too few have signal."""
 
 Batch = list[tuple[str, pa.Table, str]]
 """(key, table, outcome) of the shards one commit records: "admitted" or "stale"."""

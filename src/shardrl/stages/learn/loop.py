@@ -12,9 +12,10 @@ from safetensors.torch import load as st_load
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
 from ...models.delta import publish_state
-from ...store.records import Done, LearnerRestart, Progress
+from ...store.records import Aborted, Done, LearnerRestart, Progress
 from ...store.schemas import READY
 from ...store.shards import read_shard
+from .. import EXIT_RUN_ABORTED
 from ..checkpoint import latest_checkpoint
 from ..context import StageContext
 from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
@@ -67,6 +68,7 @@ class Learner:
         self.in_step = False
         """True while the ranks are inside one step's collectives (see `run`)."""
         self.profile = Profile()
+        self.barren = Barren()
         scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled)
         self.buffer = ReadyBuffer(ctx, scanner, self.profile)
         self.writer = Writer()
@@ -147,6 +149,8 @@ class Learner:
                 self.step(batch)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
+                if self.without_signal():
+                    return EXIT_RUN_ABORTED
             elif stale := buffer.stale(self.version, self.k()):
                 # dropped now, counted in the ledger: they can never be admitted, and waiting
                 # for a step to carry them would hold their workers' backlog full
@@ -188,6 +192,7 @@ class Learner:
         if not applied:
             self.ledger.counts["skipped_steps"] += int(len(kept) > 0)
         self.ledger.lags(self.version, table)
+        self.barren.add(table, kept)
         updated = self.profile.updated(started, cpu_started)
         if every_round and not applied:
             self.ledger.counts["unchanged_versions"] += 1
@@ -204,6 +209,27 @@ class Learner:
         if applied and self.version % self.cfg.learner.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
             self.doctor.check(self.version)
+
+    def without_signal(self) -> bool:
+        """Whether the run has had nothing to learn from for `max_batches_without_signal`
+        batches' worth of groups: then the abort marker, with the diagnosis, stops every
+        stage (a restart would only generate more of the same)."""
+        lc = self.cfg.learner
+        limit = lc.max_batches_without_signal
+        if self.ctx.once or limit is None or self.barren.groups < limit * lc.batch_prompts:
+            return False
+        reason = (
+            f"nothing to learn from: in the last {self.barren.groups} prompt groups "
+            f"({self.barren.rows} samples, mean reward {self.barren.mean_reward():.3f}) every "
+            f"sample of a group got the same reward, so zero-variance filtering kept none and "
+            f"the policy has not changed since version {self.version}. The policy solves none "
+            f"(or all) of these prompts: warm-start it (model.sft), pick an easier task, or "
+            f"sample more per prompt (rollout.group_size); "
+            f"learner.max_batches_without_signal = {limit} sets this limit")
+        Aborted(stage="learn", exit_code=EXIT_RUN_ABORTED, reason=reason,
+                time=time.time()).write_first(self.ctx.store, self.ctx.keys.aborted())
+        self.ctx.log.error("stopping the run: %s", reason)
+        return True
 
     def update(self, kept: pa.Table, beta: float) -> tuple[bool, dict[str, float]]:
         """One optimizer step on the kept rows at the current version (every rank).
@@ -281,3 +307,25 @@ class Learner:
             applied, _ = self.update(table.filter(table.column("keep")), plan.beta)
             self.advance(applied or self.ctx.once)  # as the leader's `step` does
         return 0
+
+
+class Barren:
+    """Prompt groups committed in a row without one kept by filtering (admitted shards)."""
+
+    def __init__(self) -> None:
+        self.groups = self.rows = 0
+        self.reward = 0.0
+        """Sum of the rows' `reward_total`."""
+
+    def add(self, table: pa.Table, kept: pa.Table) -> None:
+        """Count a step's admitted rows (`table`); a step with any kept row ends the run."""
+        if len(kept):
+            self.groups = self.rows = 0
+            self.reward = 0.0
+            return
+        self.groups += len(pc.unique(table.column("group_id")))
+        self.rows += len(table)
+        self.reward += float(pc.sum(table.column("reward_total")).as_py() or 0.0)
+
+    def mean_reward(self) -> float:
+        return self.reward / self.rows if self.rows else 0.0

@@ -1,0 +1,56 @@
+"""A run with nothing to learn from stops itself with a diagnosis instead of spinning.
+
+An untrained model on the cipher task gets every sample of every group wrong, so
+zero-variance filtering keeps no group and the policy can never change. The learner commits
+those groups as filtered; after `learner.max_batches_without_signal` batches' worth of them
+it writes ABORTED.json with the reason, every stage stops, and the runner exits 1 at once
+(no restarts: a new learner would meet the same data). Until then the rollout worker's
+backlog of groups, kept or not, stays bounded, and every sample is accounted for.
+"""
+
+from __future__ import annotations
+
+from shardrl.orchestrate.accounting import account
+from shardrl.stages import EXIT_RUN_ABORTED
+from shardrl.stages.staleness import backlog_cap, group_cap
+from shardrl.store import LocalStore, RunKeys
+
+from .test_faults import finish, run_args, start_runner, write_config
+
+LIMIT = 3
+"""learner.max_batches_without_signal in this run (batch_prompts 2: 6 groups)."""
+
+
+def test_a_run_without_signal_aborts_with_the_diagnosis_and_a_bounded_backlog(tmp_path):
+    config = write_config(tmp_path)
+    proc, out = start_runner(tmp_path, run_args(
+        config, str(tmp_path / "store"), "barren", "learner.total_steps=1000",
+        "model.sft.enabled=false", "algo.filters.zero_variance=true", "rollout.workers=1",
+        f"learner.max_batches_without_signal={LIMIT}", "eval.every=1000"), "barren")
+    text = finish(proc, out, timeout=300)
+    assert proc.returncode == 1, text[-3000:]
+    assert "run aborted: learn stopped the run" in text and "nothing to learn from" in text
+    assert "restarting" not in text  # the learner is not restarted into the same data
+
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("barren")
+    marker = store.get_json(keys.aborted())
+    assert marker["stage"] == "learn" and marker["exit_code"] == EXIT_RUN_ABORTED
+    assert "mean reward 0.000" in marker["reason"]
+    assert "learner.max_batches_without_signal = 3" in marker["reason"]
+    assert not store.exists(keys.done())
+
+    progress = store.get_json(keys.progress())
+    assert progress["version"] == 0  # no update was ever applied
+    # the commits that led there: at least LIMIT batches of 2 groups, all filtered
+    assert progress["counts"]["consumed"] == 0
+    assert progress["groups_by_worker"]["0"] >= LIMIT * 2
+    assert progress["kept_groups_by_worker"].get("0", 0) == 0
+    # the worker never had more than its bound of groups waiting (cap of kept groups
+    # 2 x (1 + 1) = 4, so 32 groups), plus the batch it had started: 8 shards of 2 groups
+    written = sum(1 for k in store.list(keys.kind_prefix("rollouts")) if k.endswith(".parquet"))
+    bound = group_cap(backlog_cap(2, 1, max_backlog_steps=1, k=2))
+    assert bound == 32
+    assert 2 * written <= progress["groups_by_worker"]["0"] + bound + 2 * 8
+    acc = account(store, keys)
+    assert acc.balanced, acc.line()
+    assert acc.consumed == 0 and acc.filtered > 0
