@@ -342,3 +342,16 @@ def test_learner_gae_rewards_sit_on_the_last_policy_token_of_an_episode():
     rewards = gae_rewards(RunConfig(), table, batch, torch.zeros_like(batch.response_mask), 0.0)
     assert rewards[0].nonzero().tolist() == [[10]] and rewards[0, 10] == 2.0
     assert rewards[1].nonzero().tolist() == [[10]] and rewards[1, 10] == -1.0
+
+
+def test_the_learner_counts_only_the_policys_tokens_of_an_episode():
+    from shardrl.stages.learn.loop import policy_tokens
+
+    single = pa.table({"response_token_ids": pa.array([[5, 6, 7], [8]], pa.list_(pa.int32()))})
+    assert policy_tokens(single) == 4
+    # two turns of 2 policy tokens around a 3-token reply: 4 of the 7 tokens are the policy's
+    episode = pa.table({
+        "response_token_ids": pa.array([[5, 6, 9, 9, 9, 7, 2]], pa.list_(pa.int32())),
+        "policy_mask": pa.array([[1, 1, 0, 0, 0, 1, 1]], pa.list_(pa.int8()))})
+    assert policy_tokens(episode) == 4
+    assert policy_tokens(episode.slice(0, 0)) == 0

@@ -198,7 +198,7 @@ class Learner:
             self.ledger.counts["unchanged_versions"] += 1
         self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads)
         self.in_step = False
-        tokens = sum(len(r) for r in kept.column("response_token_ids").to_pylist())
+        tokens = policy_tokens(kept)
         metrics.update(
             beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
             stale_dropped=float(self.ledger.counts["stale_dropped"]),
@@ -307,6 +307,14 @@ class Learner:
             applied, _ = self.update(table.filter(table.column("keep")), plan.beta)
             self.advance(applied or self.ctx.once)  # as the leader's `step` does
         return 0
+
+
+def policy_tokens(table: pa.Table) -> int:
+    """Response tokens the policy generated: all of them, or the masked-in ones of episodes
+    (the environment's replies between turns are not trained on)."""
+    if "policy_mask" in table.column_names:
+        return int(pc.sum(pc.list_flatten(table.column("policy_mask"))).as_py() or 0)
+    return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
 
 class Barren:
