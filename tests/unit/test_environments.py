@@ -3,6 +3,7 @@ hand-built multi-turn episodes, down to the learner's loss."""
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 
 import pyarrow as pa
@@ -12,10 +13,13 @@ import torch
 from shardrl.config import load_config
 from shardrl.stages.batch import build_batch
 from shardrl.stages.update import compute_loss
+from shardrl.tasks.sandbox import SandboxLimits
 from shardrl.tasks.builtin import TaskItem
 from shardrl.tasks.environments import (
+    MAX_TOOL_OUTPUT,
     Calculator,
     EnvironmentSpecError,
+    PythonTool,
     Turn,
     calculate,
     episode_tokens,
@@ -48,6 +52,37 @@ def test_calculator_episode():
     env.reset(ITEM)
     assert env.step("Answer = 41").reward == 0.0
     assert env.step("I do not know") == type(r)("", 0.0, True)  # neither tool nor answer
+
+
+def test_python_tool_runs_the_policys_code_in_the_sandbox(monkeypatch):
+    limits = SandboxLimits(cpu_seconds=1.0, memory_mb=256, wall_seconds=2.0)
+    env = make_environment("python", sandbox=limits)
+    assert isinstance(env, PythonTool) and env.limits == limits
+    env.reset(ITEM)
+    r = env.step("Let me add.\n```python\nprint(17 + 25)\n```")
+    assert (r.observation, r.reward, r.done) == ("42", 0.0, False)
+    # the code runs in another process without the parent's environment
+    monkeypatch.setenv("SHARDRL_TEST_SECRET", "s3cr3t")
+    r = env.step("```python\nimport os\nprint(os.environ.get('SHARDRL_TEST_SECRET'), "
+                 "os.getpid() != PARENT)\n```".replace("PARENT", str(os.getpid())))
+    assert r.observation == "None True" and not r.done
+    r = env.step("```python\nraise ValueError('bad')\n```")
+    assert r.observation.startswith("error:") and "ValueError" in r.observation and not r.done
+    r = env.step("```python\nwhile True:\n    pass\n```")  # stopped by the limits
+    assert r.observation == "error: timeout" and not r.done
+    r = env.step("```python\nprint('x' * 1000)\n```")
+    assert r.observation == "x" * MAX_TOOL_OUTPUT + " [cut]"
+    assert env.step("```python\nx = 1\n```").observation == "(no output)"
+    assert env.step("answer: 42") == type(r)("", 1.0, True)
+    env.reset(ITEM)
+    assert env.step("answer: 41").reward == 0.0
+    assert env.step("no code, no answer") == type(r)("", 0.0, True)
+
+
+def test_settings_go_only_to_environments_that_take_them():
+    limits = SandboxLimits(wall_seconds=1.0)
+    assert isinstance(make_environment("calculator", sandbox=limits), Calculator)
+    assert make_environment("python").limits == SandboxLimits()  # the defaults
 
 
 class NoStep:

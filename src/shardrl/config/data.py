@@ -112,7 +112,8 @@ class TaskConfig(Section):
     """System message placed before the prompt (`prompt_format: chat` only)."""
     environment: str | None = Field(None, min_length=1, max_length=200)
     """Environment the policy acts in over `rollout.max_turns` turns: a registered name
-    ('calculator', 'guess') or `package.module:Class` (`tasks.environments`). The episode's
+    ('calculator', 'guess', 'python': a Python interpreter run in the sandbox under
+    `reward.sandbox`'s limits) or `package.module:Class` (`tasks.environments`). The episode's
     reward is the sum of its turns' rewards. None: one response per sample, verified."""
 
     @model_validator(mode="after")

@@ -142,8 +142,11 @@ def _later_turn(generate: Generate, running: list[_Running], max_new_tokens: int
 class EpisodeRunner:
     """`run_episodes` with a stage's policy engine and the run's environment and format."""
 
-    def __init__(self, engine, environment: str, max_turns: int) -> None:
-        make_environment(environment)  # a spec that names nothing fails at start
+    def __init__(self, engine, environment: str, max_turns: int,
+                 settings: dict | None = None) -> None:
+        self.settings = settings or {}
+        """The run's settings an environment may take (see `make_environment`)."""
+        make_environment(environment, **self.settings)  # a spec naming nothing fails now
         self.engine, self.environment, self.max_turns = engine, environment, max_turns
 
     def run(self, items: Sequence[TaskItem], prompt_ids: Sequence[list[int]], n: int, *,
@@ -158,8 +161,11 @@ class EpisodeRunner:
         def observe(text: str) -> list[int]:
             return engine.prompt_format.encode_observation(engine.tokenizer, text)
 
-        return run_episodes(generate, lambda: make_environment(self.environment), items,
-                            prompt_ids, n, max_turns=self.max_turns,
+        def new_environment() -> Environment:
+            return make_environment(self.environment, **self.settings)
+
+        return run_episodes(generate, new_environment, items, prompt_ids, n,
+                            max_turns=self.max_turns,
                             max_new_tokens=max_new_tokens, seed=seed, decode=engine.decode,
                             encode_observation=observe, context=engine.context)
 
@@ -169,7 +175,13 @@ def episode_runner(ctx, engine) -> EpisodeRunner | None:
     cfg = ctx.cfg
     if cfg.task.environment is None:
         return None
-    return EpisodeRunner(engine, cfg.task.environment, cfg.rollout.max_turns)
+    from ..tasks.sandbox import SandboxLimits
+
+    limits = cfg.reward.sandbox  # untrusted tool code runs under the verifiers' limits
+    sandbox = SandboxLimits(cpu_seconds=limits.cpu_seconds, memory_mb=limits.memory_mb,
+                            wall_seconds=limits.wall_seconds)
+    return EpisodeRunner(engine, cfg.task.environment, cfg.rollout.max_turns,
+                         {"sandbox": sandbox})
 
 
 def with_episode_columns(table: pa.Table, samples: Sequence[EpisodeSample]) -> pa.Table:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -65,8 +66,13 @@ def register_environment(name: str) -> Callable[[type], type]:
     return add
 
 
-def make_environment(spec: str, **kwargs) -> Environment:
-    """A new environment: a registered name, or `package.module:Class`."""
+def make_environment(spec: str, **settings) -> Environment:
+    """A new environment: a registered name, or `package.module:Class`.
+
+    `settings` are the run's settings an environment may take by name, e.g. `sandbox` (the
+    `SandboxLimits` for running untrusted code); each goes only to a class whose constructor
+    has a parameter of that name.
+    """
     if ":" in spec:
         module, _, attr = spec.partition(":")
         try:
@@ -78,7 +84,11 @@ def make_environment(spec: str, **kwargs) -> Environment:
     else:
         raise EnvironmentSpecError(f"environment {spec!r} is neither a registered name "
                                 f"({', '.join(sorted(ENVIRONMENTS))}) nor package.module:Class")
-    env = cls(**kwargs)
+    try:
+        accepted = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a builtin or C class: no signature to read
+        accepted = {}
+    env = cls(**{k: v for k, v in settings.items() if k in accepted})
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise EnvironmentSpecError(f"environment {spec!r} has no reset(item) and step(action)")
     return env
@@ -190,6 +200,50 @@ class Guess:
 
 
 _GUESS = re.compile(r"guess\s*[:=]?\s*(-?\d+)", re.IGNORECASE)
+
+MAX_TOOL_OUTPUT = 200
+"""Characters of a tool's output the policy sees (the rest is cut, with a marker)."""
+
+
+@register_environment("python")
+class PythonTool:
+    """A problem with a Python interpreter as the tool.
+
+    A turn with a fenced code block (```python ... ```) runs that code in the sandbox (a
+    separate process under CPU-time, memory and wall-clock limits, with a scratch directory
+    and no inherited environment) and gets its output back with reward 0: stdout, or
+    `error: <why>` (timeout, memory, the exception), at most `MAX_TOOL_OUTPUT` characters.
+    `answer: <number>` ends the episode with reward 1 when it equals the item's answer, else
+    0; a turn with neither ends it with reward 0. The first observation is the item's prompt.
+    """
+
+    def __init__(self, sandbox=None) -> None:
+        from .sandbox import SandboxLimits
+
+        self.limits = sandbox if sandbox is not None else SandboxLimits()
+        self.item: TaskItem | None = None
+
+    def reset(self, item: TaskItem) -> str:
+        self.item = item
+        return item.prompt
+
+    def step(self, action: str) -> StepResult:
+        from .sandbox import run_python_snippet
+
+        if self.item is None:
+            raise RuntimeError("step before reset")
+        if m := _ANSWER.search(action):
+            return StepResult("", numeric(m[1], self.item.answer), True)
+        if not (m := _CODE.search(action)):
+            return StepResult("", 0.0, True)
+        result = run_python_snippet(m[1], self.limits)
+        text = (result.stdout or "").strip() if result.error is None else f"error: {result.error}"
+        if len(text) > MAX_TOOL_OUTPUT:
+            text = text[:MAX_TOOL_OUTPUT] + " [cut]"
+        return StepResult(text or "(no output)", 0.0, False)
+
+
+_CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 # -- an episode's tokens --------------------------------------------------------------------
