@@ -54,3 +54,34 @@ def test_lora_rounds_resume_exactly_and_publish_merged_weights(tmp_path, monkeyp
     assert code == 0
     assert ReplayCheck.read(store, RunKeys("again").replay_check()).checked == [1, 2, 3, 4]
     capsys.readouterr()
+
+
+def test_lora_learner_redoes_a_commit_lost_after_its_checkpoint(tmp_path, monkeypatch):
+    """A crash after version 3's checkpoint but before its progress.json: the restarted
+    learner is at version 2 while the newest checkpoint is 3's. It takes the adapters from
+    version 2's checkpoint (kept: keep_checkpoints is at least 2) and redoes the step into
+    the same version 3, bit for bit."""
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(tmp_path, overrides=(
+        LORA, "rollout.workers=1", "learner.total_steps=4", "learner.lr=0.01",
+        "reward.overlong={buffer_tokens: 4}"))
+    store, keys = LocalStore(tmp_path / "store"), RunKeys(RUN)
+    with one_thread():
+        run_round(store, cfg, RUN, "snapshot")
+        for _ in range(3):
+            run_round(store, cfg, RUN, "rollout")
+        run_round(store, cfg, RUN, "learn")
+        run_round(store, cfg, RUN, "learn")
+        at_two = store.get_bytes(keys.progress())
+        run_round(store, cfg, RUN, "learn")
+        first = fetch_weights(store, keys, 3)
+        assert store.get_json(keys.latest_learner())["step"] == 3
+        store.put_bytes(keys.progress(), at_two)  # version 3's commit point never written
+        run_round(store, cfg, RUN, "learn")
+    deltas = ledger_deltas(store, keys)
+    assert deltas[-1].version == 3 and deltas[-1].restart.checkpoint == 2
+    again = fetch_weights(store, keys, 3)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(bits(first[k]), bits(again[k])) for k in first)
+    assert not all(torch.equal(bits(first[k]), bits(fetch_weights(store, keys, 2)[k]))
+                   for k in first)  # the step did change the weights
