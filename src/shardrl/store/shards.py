@@ -137,8 +137,7 @@ def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
 def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
     """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
     try:
-        # one thread: a shard is small, and a stage keeps to its share of the cores
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+        table = pq.ParquetFile(pa.BufferReader(data)).read()
     except (pa.ArrowException, OSError) as e:
         raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
     return conform(table, schema)
