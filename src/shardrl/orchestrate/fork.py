@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import importlib
 import os
 import signal
@@ -41,6 +42,10 @@ def warm() -> None:
     tqdm.tqdm.monitor_interval = 0  # no monitor thread in a process that forks
     for name in STAGE_MODULES:
         importlib.import_module(name)
+    from ..stages.context import warm_up
+
+    warm_up()  # the libraries' lazy loads too, once for every stage
+    gc.freeze()  # children inherit them: no full collection scans them, nor copies their pages
 
 
 def process_title(name: str) -> str:

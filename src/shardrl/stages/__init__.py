@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 
@@ -29,6 +30,10 @@ def run(args) -> int:
     torch.manual_seed(ctx.cfg.seed + 1000 * args.worker)
     module = importlib.import_module(f"shardrl.stages.{args.name}")
     from ..store import StoreUnavailable
+
+    # the libraries' objects (a million or so) live as long as the process: keep them out of
+    # the collector's full passes, each of which would otherwise pause a step or a shard
+    gc.freeze()
 
     try:
         try:
