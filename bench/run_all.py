@@ -234,9 +234,18 @@ def _demo(r: dict) -> Iterator[Row]:
                f"{row['sft_plateau']:.3f} -> {row['rl_final']:.3f} ({row['sft_continued']:.3f})")
 
 
+def _mismatch(r: dict) -> Iterator[Row]:
+    for row in r["rows"]:
+        yield ("mismatch", f"{r['config']}, versions published in {row['publish_dtype']}: "
+               f"|generator - learner| logprob per token at equal version, mean / p99 / max "
+               f"({row['tokens']} tokens)", "",
+               f"{row['abs_mean']:.1e} / {row['abs_p99']:.1e} / {row['abs_max']:.1e}")
+
+
 SECTIONS: dict[str, Callable[[dict], Iterator[Row]]] = {
     "algo": _algo, "store": _store, "async": _async, "trl": _trl, "overhead": _overhead,
     "growth": _growth, "publish": _publish, "memory": _memory, "demo_control": _demo,
+    "mismatch": _mismatch,
 }
 
 
