@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 
 Curve = list[tuple[float, float]]
 """(seconds of RL wall clock, held-out pass@1), in time order."""
@@ -33,7 +34,7 @@ def time_to_reach_interpolated(curve: Curve, target: float) -> float | None:
     *measured* time up to one interval late, and two systems evaluated at different moments
     are late by different amounts; between points the curve is taken as linear.
     """
-    for (t0, p0), (t1, p1) in zip(curve, curve[1:]):
+    for (t0, p0), (t1, p1) in pairwise(curve):
         if p0 >= target - 1e-9:
             return t0
         if p1 >= target - 1e-9:

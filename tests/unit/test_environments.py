@@ -13,7 +13,6 @@ import torch
 from shardrl.config import load_config
 from shardrl.stages.batch import build_batch
 from shardrl.stages.update import compute_loss
-from shardrl.tasks.sandbox import SandboxLimits
 from shardrl.tasks.builtin import TaskItem
 from shardrl.tasks.environments import (
     MAX_TOOL_OUTPUT,
@@ -25,6 +24,7 @@ from shardrl.tasks.environments import (
     episode_tokens,
     make_environment,
 )
+from shardrl.tasks.sandbox import SandboxLimits
 
 ITEM = TaskItem(prompt_id="p1", prompt="Ann has 17 apples and buys 25 more. How many?",
                 answer="42", category="calc")
