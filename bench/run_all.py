@@ -237,7 +237,7 @@ def _demo(r: dict) -> Iterator[Row]:
 def _mismatch(r: dict) -> Iterator[Row]:
     for row in r["rows"]:
         yield ("mismatch", f"{r['config']}, versions published in {row['publish_dtype']}: "
-               f"|generator - learner| logprob per token at equal version, mean / p99 / max "
+               f"generator vs learner logprob per token at equal version, abs difference mean / p99 / max "
                f"({row['tokens']} tokens)", "",
                f"{row['abs_mean']:.1e} / {row['abs_p99']:.1e} / {row['abs_max']:.1e}")
 
