@@ -143,14 +143,13 @@ _CALL = re.compile(r"calc\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
 _ANSWER = re.compile(r"answer\s*[:=]\s*(\S+)", re.IGNORECASE)
 
 
-@register_environment("calculator")
-class Calculator:
-    """A word problem with a calculator tool.
+class ToolProblem:
+    """A problem the policy answers after any number of tool calls.
 
-    The policy either calls the tool, `calc(<expression>)`, and gets `= <value>` (or
-    `error: <why>`) back with reward 0, or states `answer: <number>`, which ends the episode
-    with reward 1 when it equals the item's answer, else 0. A turn that does neither ends it
-    with reward 0. The first observation is the item's prompt.
+    `answer: <number>` ends the episode with reward 1 when it equals the item's answer, else
+    0; a turn with a tool call (`call` returns the tool's reply) gets the reply back with
+    reward 0; a turn that does neither ends the episode with reward 0. The first observation
+    is the item's prompt.
     """
 
     def __init__(self) -> None:
@@ -165,12 +164,26 @@ class Calculator:
             raise RuntimeError("step before reset")
         if m := _ANSWER.search(action):
             return StepResult("", numeric(m[1], self.item.answer), True)
-        if m := _CALL.search(action):
-            try:
-                return StepResult(f"= {_show(calculate(m[1]))}", 0.0, False)
-            except ValueError as exc:
-                return StepResult(f"error: {exc}", 0.0, False)
-        return StepResult("", 0.0, True)
+        reply = self.call(action)
+        return StepResult("", 0.0, True) if reply is None else StepResult(reply, 0.0, False)
+
+    def call(self, action: str) -> str | None:
+        """The tool's reply to the turn's call, None when the turn calls no tool."""
+        raise NotImplementedError
+
+
+@register_environment("calculator")
+class Calculator(ToolProblem):
+    """A word problem with a calculator tool: `calc(<expression>)` gets `= <value>` back, or
+    `error: <why>` (see `ToolProblem` for answers)."""
+
+    def call(self, action: str) -> str | None:
+        if not (m := _CALL.search(action)):
+            return None
+        try:
+            return f"= {_show(calculate(m[1]))}"
+        except ValueError as exc:
+            return f"error: {exc}"
 
 
 @register_environment("guess")
@@ -206,41 +219,31 @@ MAX_TOOL_OUTPUT = 200
 
 
 @register_environment("python")
-class PythonTool:
-    """A problem with a Python interpreter as the tool.
+class PythonTool(ToolProblem):
+    """A problem with a Python interpreter as the tool (see `ToolProblem` for answers).
 
     A turn with a fenced code block (```python ... ```) runs that code in the sandbox (a
     separate process under CPU-time, memory and wall-clock limits, with a scratch directory
-    and no inherited environment) and gets its output back with reward 0: stdout, or
-    `error: <why>` (timeout, memory, the exception), at most `MAX_TOOL_OUTPUT` characters.
-    `answer: <number>` ends the episode with reward 1 when it equals the item's answer, else
-    0; a turn with neither ends it with reward 0. The first observation is the item's prompt.
+    and no inherited environment) and gets its output back: stdout, or `error: <why>`
+    (timeout, memory, the exception), at most `MAX_TOOL_OUTPUT` characters.
     """
 
     def __init__(self, sandbox=None) -> None:
         from .sandbox import SandboxLimits
 
+        super().__init__()
         self.limits = sandbox if sandbox is not None else SandboxLimits()
-        self.item: TaskItem | None = None
 
-    def reset(self, item: TaskItem) -> str:
-        self.item = item
-        return item.prompt
-
-    def step(self, action: str) -> StepResult:
+    def call(self, action: str) -> str | None:
         from .sandbox import run_python_snippet
 
-        if self.item is None:
-            raise RuntimeError("step before reset")
-        if m := _ANSWER.search(action):
-            return StepResult("", numeric(m[1], self.item.answer), True)
         if not (m := _CODE.search(action)):
-            return StepResult("", 0.0, True)
+            return None
         result = run_python_snippet(m[1], self.limits)
         text = (result.stdout or "").strip() if result.error is None else f"error: {result.error}"
         if len(text) > MAX_TOOL_OUTPUT:
             text = text[:MAX_TOOL_OUTPUT] + " [cut]"
-        return StepResult(text or "(no output)", 0.0, False)
+        return text or "(no output)"
 
 
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
