@@ -31,7 +31,13 @@ import pyarrow as pa
 
 from ..store.schemas import EPISODE
 from ..tasks.builtin import TaskItem
-from ..tasks.environments import Environment, Turn, episode_tokens, make_environment
+from ..tasks.environments import (
+    Environment,
+    EpisodeTokens,
+    Turn,
+    episode_tokens,
+    make_environment,
+)
 
 if TYPE_CHECKING:
     from ..engines.base import Sample
@@ -42,21 +48,20 @@ Generate = Callable[[list[list[int]], int, int, int], "list[list[Sample]]"]
 """(prompt token ids, samples per prompt, max_new_tokens, seed) -> samples per prompt."""
 
 
-@dataclass
-class EpisodeSample:
-    """An episode as an engine's `Sample` reads (the whole response after the prompt), plus
-    its policy mask, per-turn rewards and turn starts (`store.schemas.EPISODE`)."""
+@dataclass(frozen=True)
+class EpisodeSample(EpisodeTokens):
+    """An episode's tokens (`EpisodeTokens`) read as an engine's `Sample` (the whole response
+    after the prompt, its behaviour logprobs), plus how the episode ended."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    policy_mask: list[int]
-    turn_rewards: list[float]
-    turn_starts: list[int]
+    finish_reason: str = "length"
 
     @property
-    def episode_return(self) -> float:
-        return float(sum(self.turn_rewards))
+    def token_ids(self) -> list[int]:
+        return self.response_token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.behavior_logprobs
 
 
 @dataclass
@@ -115,9 +120,7 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
                 e.finish = "stop" if result.done and s.finish_reason == "stop" else "length"
     out = []
     for e in episodes:
-        tokens = episode_tokens(e.turns)
-        out.append(EpisodeSample(tokens.response_token_ids, tokens.behavior_logprobs, e.finish,
-                                 tokens.policy_mask, tokens.turn_rewards, tokens.turn_starts))
+        out.append(EpisodeSample(**vars(episode_tokens(e.turns)), finish_reason=e.finish))
     return [out[i * n:(i + 1) * n] for i in range(len(items))]
 
 

@@ -16,6 +16,7 @@ from ...store.records import Aborted, Done, LearnerRestart, Progress
 from ...store.schemas import READY
 from ...store.shards import read_shard
 from .. import EXIT_RUN_ABORTED
+from ..batch import POLICY_MASK
 from ..checkpoint import latest_checkpoint
 from ..context import StageContext
 from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
@@ -312,8 +313,8 @@ class Learner:
 def policy_tokens(table: pa.Table) -> int:
     """Response tokens the policy generated: all of them, or the masked-in ones of episodes
     (the environment's replies between turns are not trained on)."""
-    if "policy_mask" in table.column_names:
-        return int(pc.sum(pc.list_flatten(table.column("policy_mask"))).as_py() or 0)
+    if POLICY_MASK in table.column_names:
+        return int(pc.sum(pc.list_flatten(table.column(POLICY_MASK))).as_py() or 0)
     return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
 

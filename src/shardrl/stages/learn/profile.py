@@ -15,8 +15,10 @@ class Profile:
     """CPU seconds of updates (the learner's thread): busy time without waits for a shared
     core."""
     read_s: float = 0.0
+    """Seconds since the last step the learner waited for shard reads (they run on the
+    buffer's reader thread; a read done during an update costs the step nothing)."""
     wait_s: float = 0.0
-    """Seconds reading shards and waiting for data since the last step."""
+    """Seconds since the last step waiting for new ready shards."""
     hops: list[float] = field(default_factory=list)
     """Hand-off latency since the last step: for each shard read while the learner was
     waiting for data, seconds from its generation to its reading (scoring, prepare and the
