@@ -47,6 +47,7 @@ class ListedScanner:
         self.keys: list[str] = []
         self.committed: set[str] = set()
         self.low = 0
+        self.rollout_workers = 2
 
     def poll(self, newest: int) -> list[str]:
         return [k for k in self.keys if k not in self.committed]
@@ -102,6 +103,25 @@ def test_reads_buffer_in_listing_order_once_each_and_counts_kept_groups(tmp_path
         buffer.remove(batch[:1])
         scanner.committed.add(a)
         assert buffer.counts().groups_by_worker == {1: 3}
+    finally:
+        buffer.close()
+
+
+def test_many_filtered_groups_of_one_worker_make_a_step(tmp_path):
+    # B=4 from 2 workers (share 2, so 16 groups of one worker step anyway): worker 0 wrote
+    # 2 kept groups, worker 1 one kept among 15 filtered ones
+    store, scanner, buffer = make_buffer(tmp_path)
+    a = put(store, scanner, 0, 0, ready([[True, False], [True, False]]))
+    b = put(store, scanner, 1, 0, ready([[False, False]] * 15))
+    try:
+        buffer.poll(0, block=True)
+        assert buffer.next_batch(0, k=8, batch_prompts=4) is None  # 2 kept, 15 from worker 1
+        c = put(store, scanner, 1, 1, ready([[True, False]]))
+        buffer.poll(0, block=True)
+        assert [key for key, _, _ in buffer.next_batch(0, k=8, batch_prompts=4)] == [a, b, c]
+        # the whole buffer's groups (19) are still short of 8 batches (32)
+        buffer.scanner.rollout_workers = 1
+        assert buffer.next_batch(0, k=8, batch_prompts=4) is None
     finally:
         buffer.close()
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from shardrl.stages.staleness import (
     admitted,
     backlog_cap,
@@ -11,6 +14,7 @@ from shardrl.stages.staleness import (
     group_cap,
     keep_rate,
     kept_backlog,
+    step_ready,
     worker_share,
 )
 
@@ -63,15 +67,56 @@ def test_batch_shards_fill_the_room_between_one_and_the_maximum():
 
 
 def test_groups_of_any_kind_are_bounded_too():
-    # a worker with a cap of 16 kept groups may have 8 x 16 = 128 groups waiting, kept or not;
-    # two such workers hold 256 >= the 8 batches of 16 the learner steps on when few are kept
+    # a worker with a cap of 16 kept groups may have 8 x 16 = 128 groups waiting, kept or not
     assert group_cap(16) == 128
-    assert 2 * group_cap(backlog_cap(16, 2, max_backlog_steps=1, k=0)) >= 8 * 16
     # nothing kept so far (kept_per_shard 0) but 40 groups of room left at 16 per shard:
     # 3 shards (2.5 rounded up), not the 8 the kept room alone would allow
     assert batch_shards(5, 0.0, 8, group_room=40, groups_per_shard=16) == 3
     assert batch_shards(32, 4.0, 8, group_room=1000, groups_per_shard=16) == 8
     assert batch_shards(32, 4.0, 8, group_room=0, groups_per_shard=16) == 1  # at least one
+
+
+def test_the_learner_steps_on_kept_groups_or_on_many_filtered_ones():
+    # B=16 from 2 workers (share 8): 16 kept groups, or 128 groups of any kind, or 64 from
+    # one worker
+    assert step_ready(16, 16, 8, 16, 2)
+    assert not step_ready(15, 127, 63, 16, 2)
+    assert step_ready(0, 128, 64, 16, 2)
+    assert step_ready(13, 94, 64, 16, 2)
+    # one worker: its share is the batch, the per-worker rule is the total one
+    assert not step_ready(15, 127, 127, 16, 1)
+    assert step_ready(2, 128, 128, 16, 1)
+
+
+def test_a_worker_paused_on_kept_groups_and_one_paused_on_groups_do_not_deadlock():
+    # at k=0, B=16, 2 workers (cap 8 kept groups, 64 of any kind): worker 0 is paused with
+    # 8 kept of 24 waiting, worker 1 with 5 kept of 64 waiting; 13 kept and 88 groups fill
+    # neither a batch nor the 128-group limit, but worker 1's 64 groups make the step
+    cap = backlog_cap(16, 2, max_backlog_steps=1, k=0)
+    assert (cap, group_cap(cap)) == (8, 64)
+    assert step_ready(8 + 5, 24 + 64, 64, 16, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8), st.integers(0, 4), st.integers(0, 16),
+       st.data())
+def test_once_every_worker_is_paused_the_learner_can_step(batch, workers, backlog_steps, k,
+                                                          data):
+    """The invariant the flow control rests on: a worker pauses at its cap of kept groups or
+    at its cap of groups of any kind; whatever mix of the two the workers are paused in, the
+    groups they left for the learner make a step."""
+    cap = backlog_cap(batch, workers, backlog_steps, k)
+    kept, groups = [], []
+    for _ in range(workers):
+        if data.draw(st.booleans()):  # paused on kept groups
+            n_kept = data.draw(st.integers(cap, 4 * cap))
+            n_groups = data.draw(st.integers(n_kept, n_kept + group_cap(cap) - 1))
+        else:  # paused on groups of any kind, however few of them were kept
+            n_groups = data.draw(st.integers(group_cap(cap), 2 * group_cap(cap)))
+            n_kept = data.draw(st.integers(0, min(cap - 1, n_groups)))
+        kept.append(n_kept)
+        groups.append(n_groups)
+    assert step_ready(sum(kept), sum(groups), max(groups), batch, workers)
 
 
 def test_gc_horizon():

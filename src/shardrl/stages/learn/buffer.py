@@ -22,7 +22,7 @@ from ...store.shards import read_or_quarantine
 from ..context import StageContext
 from ..inline import kept_groups
 from ..scan import Scanner
-from ..staleness import FILTERED_LIMIT, admitted
+from ..staleness import admitted, step_ready
 from .profile import Profile
 
 Batch = list[tuple[str, pa.Table, str]]
@@ -105,18 +105,21 @@ class ReadyBuffer:
         """The shards (from the front) that make the next step, None if too few.
 
         A step takes shards in order until `batch_prompts` prompt groups kept by filtering are
-        in (ScaleRL's effective batch), or a long run of filtered ones; stale shards on the
-        way are dropped with it. Shards past that point wait for the next step, so a backlog
-        (after a restart, say) makes several steps of size B rather than one huge one.
+        in (ScaleRL's effective batch), or a long run of filtered ones (`staleness.step_ready`:
+        from all rollout workers together or from one of them); stale shards on the way are dropped
+        with it. Shards past that point wait for the next step, so a backlog (after a restart,
+        say) makes several steps of size B rather than one huge one. A prompt group lives in
+        one shard, so the counts are the shards' tallies summed.
         """
-        kept, total = set(), set()
-        for n, (key, table) in enumerate(self.items, start=1):
+        kept = total = 0
+        per_worker: Counter[int] = Counter()
+        for n, (key, _) in enumerate(self.items, start=1):
             if self.outcome(key, version, k) == "admitted":
-                ids = table.column("group_id").to_pylist()
-                total.update(ids)
-                kept.update(g for g, keep in zip(ids, table.column("keep").to_pylist(),
-                                                 strict=True) if keep)
-                if len(kept) >= batch_prompts or len(total) >= FILTERED_LIMIT * batch_prompts:
+                worker, n_groups, n_kept = self.tallies[key]
+                kept, total = kept + n_kept, total + n_groups
+                per_worker[worker] += n_groups
+                if step_ready(kept, total, per_worker[worker], batch_prompts,
+                              self.scanner.rollout_workers):
                     return [(key, t, self.outcome(key, version, k)) for key, t in self.items[:n]]
         return None
 
