@@ -106,8 +106,11 @@ def _pass(side: dict, n: int | None) -> str:
 
 
 def _trl(r: dict) -> Iterator[Row]:
-    repeats = r.get("repeats", 1)
+    repeats, seeds = r.get("repeats", 1), r.get("seeds")
     over = f"median (min to max) of {repeats}" if repeats > 1 else "1 repeat"
+    if seeds is not None and repeats > 1:
+        over += (f", seed {seeds[0]} each time" if len(set(seeds)) == 1
+                 else f", seeds {', '.join(map(str, seeds))}")
     if "target_time_ratio" in r:
         yield ("trl", f"time to 70% of TRL's pass@1 gain over the snapshot, ShardRL / TRL "
                f"({over})", "<= 1.0 (aim 0.5)",

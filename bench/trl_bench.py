@@ -26,6 +26,11 @@ policy) counts but importing torch and transformers does not. TRL and the baseli
 fresh processes whose clocks start once those libraries (and TRL) are imported: loading the
 model and setting up the trainer count, as for ShardRL.
 
+Repeat r runs with `seed` = the config's seed + r on all three sides (the SFT snapshot, the
+prompt streams, sampling and initialisation), so the repeats are independent samples of each
+comparison; `--same-seed` repeats one seed instead, which on this deterministic CPU setup
+gives nearly the same curves every time and measures timing noise only.
+
 Figures per repeat (each reported as median, min and max over repeats):
 - `target_time_ratio`: v0 = the snapshot's pass@1 (TRL's curve point at t=0) and target =
   v0 + 0.7 x (TRL's best pass@1 - v0); ShardRL's first measured time at or above the target
@@ -519,7 +524,10 @@ def fmt(value: float | None, spec: str = ".2f", never: str = "never reached") ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="demo")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="repeat r uses the config's seed + r (see --same-seed)")
+    parser.add_argument("--same-seed", action="store_true",
+                        help="every repeat uses the config's seed (timing noise only)")
     parser.add_argument("--eval-every", type=int, default=10,
                         help="ShardRL evaluates every this many versions; the peers as often "
                              "in time")
@@ -550,15 +558,19 @@ def main() -> None:
     from shardrl.config import load_config
 
     overrides = ["tracking.enabled=false", f"eval.every={args.eval_every}", *args.overrides]
-    steps = load_config(args.config, overrides).learner.total_steps
+    cfg = load_config(args.config, overrides)
+    steps = cfg.learner.total_steps
     eval_points = max(1, steps // args.eval_every)
+    seeds = [cfg.seed + (0 if args.same_seed else r) for r in range(args.repeats)]
     rows = []
-    for r in range(args.repeats):  # the peers' order alternates: drifting load hits both
+    for r, seed in enumerate(seeds):  # the peers' order alternates: drifting load hits both
         order = ("trl", "sync") if r % 2 == 0 else ("sync", "trl")
-        rows.append(one_repeat(args.config, overrides, f"{int(time.time())}-{r}", eval_points,
-                               order, args.sync_threads))
+        rows.append(one_repeat(args.config, [*overrides, f"seed={seed}"],
+                               f"{int(time.time())}-{r}", eval_points, order,
+                               args.sync_threads) | {"seed": seed})
         print(json.dumps(rows[-1]), flush=True)
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
+               "seeds": seeds,
                "trl_version": importlib.metadata.version("trl"),
                "sync_threads": args.sync_threads or os.cpu_count(), "rows": rows
                } | summarize(rows)
