@@ -172,3 +172,45 @@ def steady_busy_fraction(points: list[tuple[float, float]], start: float, end: f
     if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
         return None
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+Interval = tuple[float, float]
+"""(start, end) in unix seconds."""
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """The same time as disjoint intervals in order (empty and reversed ones dropped)."""
+    out: list[Interval] = []
+    for a, b in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def intersect(xs: list[Interval], ys: list[Interval]) -> list[Interval]:
+    """The time in both of two disjoint, ordered interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def idle_together(waits: Iterable[Interval], paused: Sequence[Iterable[Interval]],
+                  window: Interval) -> float | None:
+    """Share of `window` in which the learner waits for data (`waits`) while every rollout
+    worker is paused on its backlog (`paused`, one list per worker): a hand-off bubble, the
+    machine idling for the flow control's sake. None for an empty window or no workers."""
+    if window[1] <= window[0] or not paused:
+        return None
+    both = intersect(union(waits), [window])
+    for worker in paused:
+        both = intersect(both, union(worker))
+    return sum(b - a for a, b in both) / (window[1] - window[0])

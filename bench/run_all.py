@@ -158,6 +158,10 @@ def _trl(r: dict) -> Iterator[Row]:
                    "of updates (CPU: without contention inflation)", "",
                    " / ".join(_spread(steady[n], none="not recorded")
                               for n in ("learner", "learner_cpu")))
+        if "idle_together" in r:
+            yield ("trl", "ShardRL steady state: share of the time the learner waits for data "
+                   "while every rollout worker is paused on its backlog (a hand-off bubble)",
+                   "", _spread(r["idle_together"], ".3f", none="not recorded"))
         yield ("trl", "ShardRL rollout busy fraction (whole run, start-up included)", "",
                _spread(busy["rollout"], none="not recorded"))
         yield ("trl", "ShardRL learner busy fraction (whole run, start-up included)", "",

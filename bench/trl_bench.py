@@ -91,6 +91,7 @@ from pathlib import Path
 from bench.curves import (
     Curve,
     binomial_se,
+    idle_together,
     machine_share,
     pass_at,
     percentile,
@@ -214,7 +215,34 @@ def pipeline_figures(points: list[Point]) -> dict:
         "resume_lag_s": {"p50": percentile(resumes, 50), "p95": percentile(resumes, 95),
                          "n": len(resumes)},
         "profile": step_profile(points, window),
+        "idle_together": idle_together(learner_waits(points),
+                                       rollout_pauses(points), window),
     }
+
+
+def learner_waits(points: list[Point]) -> list[tuple[float, float]]:
+    """When the learner waited for data: each step logs its metrics as it commits, after
+    waiting `wait_s`, reading `read_s` and updating `update_s` (then `commit_s` on its
+    path), so its wait ended that long before the log."""
+    steps: dict[tuple[str, int, float], dict[str, float]] = {}
+    for writer, name, step, value, t in points:
+        stage, _, metric = name.partition("/")
+        if stage in LEARNER_STAGES and metric in PROFILE["learn"]:
+            steps.setdefault((writer, step, t), {})[metric] = value
+    out = []
+    for (_, _, t), m in steps.items():
+        if len(m) == len(PROFILE["learn"]):
+            end = t - m["update_s"] - m["commit_s"] - m["read_s"]
+            out.append((end - m["wait_s"], end))
+    return out
+
+
+def rollout_pauses(points: list[Point]) -> list[list[tuple[float, float]]]:
+    """Per rollout worker, when it was paused on its backlog: each resume logs `pause_s`."""
+    by_writer: dict[str, list[tuple[float, float]]] = {}
+    for writer, _, _, value, t in named(points, ("rollout",), "pause_s"):
+        by_writer.setdefault(writer, []).append((t - value, t))
+    return list(by_writer.values())
 
 
 PROFILE = {"learn": ("update_s", "commit_s", "read_s", "wait_s"),
@@ -507,6 +535,7 @@ def summarize(rows: list[dict]) -> dict:
                          for q in ("p50", "p95")},
         "profile": {name: over(lambda r, n=name: r["shardrl"].get("profile", {}).get(n))
                     for name in (f"{st}/{m}" for st, ms in PROFILE.items() for m in ms)},
+        "idle_together": over(lambda r: r["shardrl"].get("idle_together")),
     }
     n = rows[0]["shardrl"].get("eval_samples")
     out["eval_samples"] = n

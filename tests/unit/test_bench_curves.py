@@ -8,6 +8,8 @@ import math
 import pytest
 from bench.curves import (
     binomial_se,
+    idle_together,
+    intersect,
     machine_share,
     percentile,
     ratio,
@@ -18,6 +20,7 @@ from bench.curves import (
     time_to_reach,
     time_to_reach_interpolated,
     time_to_target,
+    union,
 )
 from bench.run_all import _spread
 from bench.trl_bench import (
@@ -25,7 +28,9 @@ from bench.trl_bench import (
     compare,
     compare_sync,
     last_per_writer,
+    learner_waits,
     pipeline_figures,
+    rollout_pauses,
     summarize,
 )
 
@@ -214,7 +219,8 @@ def test_pipeline_figures_tolerate_missing_metrics():
         "hop_s": {"p50": None, "p95": None, "max": None, "n": 0},
         "resume_lag_s": {"p50": None, "p95": None, "n": 0},
         "profile": {"learn/update_s": None, "learn/commit_s": None, "learn/read_s": None,
-                    "learn/wait_s": None, "rollout/generate_s": None, "rollout/post_s": None}}
+                    "learn/wait_s": None, "rollout/generate_s": None, "rollout/post_s": None},
+        "idle_together": None}
     assert last_per_writer([]) is None
 
 
@@ -264,3 +270,34 @@ def test_steady_busy_fraction_uses_the_window_only():
     assert steady_busy_fraction(points, 110.0, 120.0) == (8.5 - 1.0) / 10.0
     assert steady_busy_fraction(points, 111.0, 119.0) is None  # one point inside
     assert steady_busy_fraction([], 0.0, 1.0) is None
+
+
+def test_intervals_union_and_intersection():
+    assert union([(5.0, 6.0), (1.0, 3.0), (2.0, 4.0), (7.0, 7.0)]) == [(1.0, 4.0), (5.0, 6.0)]
+    assert intersect([(1.0, 4.0), (5.0, 6.0)], [(3.0, 5.5)]) == [(3.0, 4.0), (5.0, 5.5)]
+    assert intersect([(1.0, 2.0)], [(2.0, 3.0)]) == []
+
+
+def test_idle_together_counts_only_waits_while_every_worker_is_paused():
+    # window 100..110; the learner waits 101-103 and 106-108; worker 0 paused 102-107,
+    # worker 1 paused 100-102.5 and 106.5-110: all three at once 102-102.5 and 106.5-107
+    waits = [(101.0, 103.0), (106.0, 108.0)]
+    paused = [[(102.0, 107.0)], [(100.0, 102.5), (106.5, 110.0)]]
+    assert idle_together(waits, paused, (100.0, 110.0)) == pytest.approx(0.1)
+    # one worker that never paused: no bubble; an empty window or no workers: undefined
+    assert idle_together(waits, [*paused, []], (100.0, 110.0)) == 0.0
+    assert idle_together(waits, paused, (110.0, 110.0)) is None
+    assert idle_together(waits, [], (100.0, 110.0)) is None
+
+
+def test_learner_waits_end_before_the_steps_read_update_and_commit():
+    # a step logged at 110 after waiting 2 s, reading 0.5, updating 1, committing 0.5: its
+    # wait was 106-108; a step missing a timing is left out
+    step = {"wait_s": 2.0, "read_s": 0.5, "update_s": 1.0, "commit_s": 0.5}
+    points = [("learn/w00", f"learn/{k}", 3, v, 110.0) for k, v in step.items()]
+    points += [("learn/w00", "learn/wait_s", 4, 1.0, 111.0)]
+    assert learner_waits(points) == [(106.0, 108.0)]
+    pauses = [("rollout/w00", "rollout/pause_s", 1, 2.0, 105.0),
+              ("rollout/w01", "rollout/pause_s", 1, 1.0, 104.0),
+              ("rollout/w00", "rollout/pause_s", 2, 0.5, 109.0)]
+    assert sorted(rollout_pauses(pauses)) == [[(103.0, 104.0)], [(103.0, 105.0), (108.5, 109.0)]]
