@@ -16,6 +16,7 @@ from shardrl.stages.learn.profile import Profile
 from shardrl.store import LocalStore, RunKeys
 from shardrl.store.schemas import READY
 from shardrl.store.shards import write_shard
+from shardrl.store.watch import InotifyWatch
 
 KEYS = RunKeys("r1")
 
@@ -170,5 +171,30 @@ def test_hand_off_latency_is_counted_only_for_shards_listed_while_waiting(tmp_pa
         buffer.poll(0, block=True)
         assert len(buffer.profile.hops) == 1 and buffer.profile.hops[0] > 0  # created_at 0
         assert np.isfinite(buffer.profile.read_s)
+    finally:
+        buffer.close()
+
+
+def test_between_steps_the_store_is_listed_only_when_a_commit_was_reported(tmp_path):
+    store, scanner, buffer = make_buffer(tmp_path)
+    listed = []
+    poll = scanner.poll
+    scanner.poll = lambda newest: listed.append(newest) or poll(newest)
+    a = put(store, scanner, 0, 0, ready([[True, False]]))
+    try:
+        buffer.poll(0, block=True)  # the first poll lists
+        assert len(listed) == 1 and [k for k, _ in buffer.items] == [a]
+        buffer.poll(0, block=True)  # lists again if the watch reported a's commit
+        n = len(listed)
+        buffer.poll(0, block=True)
+        if isinstance(buffer.arrivals, InotifyWatch):  # nothing new reported: no listing
+            assert len(listed) == n
+        b = put(store, scanner, 0, 1, ready([[True, False]]))
+        buffer.poll(0, block=True)  # a commit was reported (or the watch polls): listed
+        assert [k for k, _ in buffer.items] == [a, b]
+        buffer.wait(0.01)  # after any wait the next poll lists, whatever the watch saw
+        n = len(listed)
+        buffer.poll(0, block=True)
+        assert len(listed) == n + 1
     finally:
         buffer.close()

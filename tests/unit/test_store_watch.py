@@ -65,3 +65,21 @@ def test_poll_watch_backs_off_to_the_timeout_and_resets():
     watch.reset()
     assert watch.delay == 0.001
     assert delays[0] < delays[-1] + 0.05
+
+
+def test_changed_reports_a_commit_once_without_waiting(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put_bytes("runs/r/ready/v000000/w00-000000.parquet", b"x")
+    watch = store.watch("runs/r/ready/", depth=1)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    assert watch.changed() is False  # committed before the watch: a caller lists once anyway
+    store.put_bytes("runs/r/ready/v000000/w00-000001.parquet", b"y")
+    assert watch.changed() is True
+    assert watch.changed() is False  # taken
+    store.put_bytes("runs/r/ready/v000000/w00-000002.parquet", b"z")
+    assert watch.wait(1.0) is True  # `wait` takes it too
+    assert watch.changed() is False
+    watch.close()
+    # polling cannot tell: always look
+    assert PollWatch().changed() is True

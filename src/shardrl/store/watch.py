@@ -1,7 +1,8 @@
 """Waiting for new objects: a stage wakes when something is committed, not on a timer.
 
 A stage that has nothing to do calls `watch.wait(timeout)` instead of sleeping, then looks
-again (lists, reads a pointer). `wait` returns early when an object may have appeared under
+again (lists, reads a pointer). A stage that is busy can ask `watch.changed()` before it
+lists, and skip a listing that would find nothing. `wait` returns early when an object may have appeared under
 the watched prefix and at the latest after `timeout`, so a missed wake-up costs at most one
 timeout, never correctness: callers always re-check the store itself.
 
@@ -45,6 +46,11 @@ class PollWatch:
         """Sleep min(current delay, timeout), then double the delay. True: look again."""
         time.sleep(min(self.delay, timeout))
         self.delay = min(self.delay * 2, max(timeout, self.min_s))
+        return True
+
+    def changed(self) -> bool:
+        """Whether something may have been committed since the last look, without waiting:
+        always, since polling cannot tell (the caller looks)."""
         return True
 
     def reset(self) -> None:
@@ -126,6 +132,14 @@ class InotifyWatch:
             ready, _, _ = select.select([self.fd], [], [], left)
             if ready and self._drain():  # not only temp files of writes in progress
                 return True
+        return False
+
+    def changed(self) -> bool:
+        """Whether an object was committed since the last `wait` or `changed`, without
+        waiting (what a commit reported is taken, as by `wait`)."""
+        if self._pending or self._drain():
+            self._pending = False
+            return True
         return False
 
     def _drain(self) -> bool:

@@ -42,6 +42,10 @@ class ReadyBuffer:
         once when it is read (`counts` runs at every commit, over the whole buffer)."""
         self.waiting = False
         """Whether the learner waited for data just before the current read."""
+        self.unlisted = True
+        """Whether shards may have arrived that no listing has seen: at the start and after
+        every wait (a wake-up the watch missed costs one wait, as before). Between steps
+        that do not wait, the store is listed only when the watch reports a commit."""
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-read")
         self.reads: list[tuple[str, bool, Future]] = []
         """(key, listed while waiting for data, its read) of listed shards not yet buffered,
@@ -50,11 +54,14 @@ class ReadyBuffer:
     def poll(self, version: int, block: bool = False) -> bool:
         """List the shards that appeared up to `version` and start reading them; buffer the
         reads that are done (all of them with `block`). Whether anything was buffered."""
-        known = {k for k, _ in self.items} | {k for k, _, _ in self.reads}
-        new = [k for k in self.scanner.poll(version) if k not in known]
-        self.reads += [(key, self.waiting, self.reader.submit(self._read, key)) for key in new]
-        if new:
-            self.arrivals.reset()
+        if self.unlisted or self.arrivals.changed():
+            self.unlisted = False
+            known = {k for k, _ in self.items} | {k for k, _, _ in self.reads}
+            new = [k for k in self.scanner.poll(version) if k not in known]
+            self.reads += [(key, self.waiting, self.reader.submit(self._read, key))
+                           for key in new]
+            if new:
+                self.arrivals.reset()
         self.waiting = False
         return self.collect(block)
 
@@ -94,7 +101,7 @@ class ReadyBuffer:
         started = time.monotonic()
         self.arrivals.wait(timeout)
         self.profile.wait_s += time.monotonic() - started
-        self.waiting = True
+        self.waiting = self.unlisted = True
 
     @staticmethod
     def outcome(key: str, version: int, k: int) -> str:
