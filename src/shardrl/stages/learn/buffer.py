@@ -39,7 +39,8 @@ class ReadyBuffer:
         """(key, table) of read shards not yet committed, oldest version first."""
         self.tallies: dict[str, tuple[int, int, int]] = {}
         """(worker, prompt groups, groups kept by filtering) of each buffered shard, counted
-        once when it is read (`counts` runs at every commit, over the whole buffer)."""
+        once, on the reader thread, when it is read (`counts` runs at every commit and
+        `next_batch` at every poll, over the whole buffer)."""
         self.waiting = False
         """Whether the learner waited for data just before the current read."""
         self.unlisted = True
@@ -76,7 +77,7 @@ class ReadyBuffer:
         while self.reads and (block or self.reads[0][2].done()):
             key, waited, future = self.reads.pop(0)
             started = time.monotonic()
-            table = future.result()
+            table, tally = future.result()
             self.profile.read_s += time.monotonic() - started  # the wait for it, if any
             if table is None:
                 self.ctx.log.warning("quarantined %s", key)
@@ -84,14 +85,18 @@ class ReadyBuffer:
             if waited:
                 self.profile.hops.append(time.time() - pc.max(table.column("created_at")).as_py())
             self.items.append((key, table))
-            self.tallies[key] = (parse_shard_key(key).worker,
-                                 len(pc.unique(table.column("group_id"))), kept_groups(table))
+            self.tallies[key] = tally
             buffered = True
         return buffered
 
-    def _read(self, key: str) -> pa.Table | None:
-        """A ready shard, or None once it is quarantined (on the reader thread)."""
-        return read_or_quarantine(self.ctx.store, key, READY, "learn")
+    def _read(self, key: str) -> tuple[pa.Table | None, tuple[int, int, int] | None]:
+        """A ready shard and its tally (worker, prompt groups, groups kept by filtering),
+        counted here on the reader thread; (None, None) once it is quarantined."""
+        table = read_or_quarantine(self.ctx.store, key, READY, "learn")
+        if table is None:
+            return None, None
+        return table, (parse_shard_key(key).worker, len(pc.unique(table.column("group_id"))),
+                       kept_groups(table))
 
     def close(self) -> None:
         self.reader.shutdown(wait=True, cancel_futures=True)
