@@ -213,7 +213,8 @@ def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
     items = make_task(cfg).train_items(0, 0, 2)
     assert all(len(it.prompt) + 1 + cfg.rollout.max_new_tokens <= window for it in items)
     long = TaskItem("long", "ab" * 40 + "=", "41", "default")
-    assert _fitting(ctx, engine, [items[0], long, items[1]], seq=7) == items
+    fitting, ids = _fitting(ctx, engine, [items[0], long, items[1]], seq=7)
+    assert fitting == items and ids == engine.encode([it.prompt for it in items])
     record = store.get_json(ctx.keys.quarantine("rollout", ctx.keys.root + "prompts/w00-000007.json"))
     # one token per character (unknown ones too) plus <s>: 81 + 1 = 82 prompt tokens, which
     # with max_new_tokens exceed the context

@@ -80,9 +80,12 @@ def main(ctx: StageContext) -> int:
             state = WorkerState(next_seq=first + n, version=engine.version, **flow.state())
             reserved = writer.submit(state.write, store, state_key)
             shards = []  # (seq, items) of the batch
+            prompt_ids = []  # token ids of the batch's prompts, in order
             for seq in range(first, first + n):
-                if items := _fitting(ctx, engine, _prompts(ctx, task, seq, retired), seq):
+                items, ids = _fitting(ctx, engine, _prompts(ctx, task, seq, retired), seq)
+                if items:
                     shards.append((seq, items))
+                    prompt_ids += ids
                     skipped = 0
                     continue
                 skipped += 1
@@ -95,7 +98,6 @@ def main(ctx: StageContext) -> int:
                 continue
             started = time.monotonic()
             with ctx.cores.busy():
-                prompt_ids = engine.encode([it.prompt for _, items in shards for it in items])
                 sampling = dict(temperature=rc.temperature, top_p=rc.top_p,
                                 max_new_tokens=rc.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + first)
@@ -276,16 +278,19 @@ class Flow:
         return self.round_groups * self.round_rate >= share
 
 
-def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> list:
-    """The items whose prompt leaves room for max_new_tokens in the model's context; the
-    others are recorded under quarantine/rollout/prompts/ with the reason."""
+def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,
+             ) -> tuple[list, list[list[int]]]:
+    """The items whose prompt leaves room for max_new_tokens in the model's context, and
+    their prompts' token ids (encoded once, here); the others are recorded under
+    quarantine/rollout/prompts/ with the reason."""
     budget = ctx.cfg.rollout.max_new_tokens
+    encoded = engine.encode([it.prompt for it in items])
     if engine.context is None:
-        return items
-    lengths = [len(ids) for ids in engine.encode([it.prompt for it in items])]
+        return items, encoded
+    lengths = [len(ids) for ids in encoded]
     fits = [n + budget <= engine.context for n in lengths]
     if all(fits):
-        return items
+        return items, encoded
     too_long = [{"prompt_id": it.prompt_id, "prompt_tokens": n}
                 for it, n, ok in zip(items, lengths, fits, strict=True) if not ok]
     key = ctx.keys.quarantine("rollout", ctx.keys.root + f"prompts/w{ctx.worker:02d}-{seq:06d}.json")
@@ -294,7 +299,8 @@ def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int) -> 
         "message": f"prompt tokens + max_new_tokens {budget} exceed the model's context of "
                    f"{engine.context} tokens", "prompts": too_long, "time": time.time()})
     ctx.log.warning("%d prompt(s) longer than the context skipped: %s", len(too_long), key)
-    return [it for it, ok in zip(items, fits, strict=True) if ok]
+    return ([it for it, ok in zip(items, fits, strict=True) if ok],
+            [ids for ids, ok in zip(encoded, fits, strict=True) if ok])
 
 
 def _wait_for_policy(ctx: StageContext) -> int:
