@@ -7,15 +7,19 @@ complete, so a reader either sees the whole object or nothing.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import random
+import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 log = logging.getLogger("shardrl.store")
 
@@ -82,6 +86,23 @@ class Store(ABC):
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write `data` at `key`; it becomes visible to readers only when complete."""
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[IO[bytes]]:
+        """A binary file to write the object at `key` into, piece by piece: the object
+        appears, complete, when the block ends without an error, and nothing appears when it
+        raises. This default gathers the bytes in memory and puts them at the end; the local
+        and S3 stores override it to keep at most a buffer's worth of them in memory."""
+        check_key(key)
+        buffer = io.BytesIO()
+        yield buffer
+        self.put_bytes(key, buffer.getvalue())
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        """Write the content of the local file `path` at `key`, as `put_bytes` would, without
+        reading it into memory whole (in the stores that override `writer` or this)."""
+        with open(path, "rb") as src, self.writer(key) as out:
+            shutil.copyfileobj(src, out, 1 << 20)
 
     @abstractmethod
     def get_bytes(self, key: str) -> bytes:

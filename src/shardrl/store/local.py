@@ -10,7 +10,10 @@ from __future__ import annotations
 import bisect
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from shardrl.store.base import (
     NotFound,
@@ -38,19 +41,30 @@ class LocalStore(Store):
         return self.root.joinpath(*check_key(key).split("/"))
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        with self.writer(key) as f:
+            f.write(data)
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[IO[bytes]]:
+        """A temp file beside the key's file, fsynced and renamed over it when the block ends
+        without an error, removed when it raises (an `OSError`, from a write in the block
+        too, as a `StoreError`)."""
         path = self._path(key)
         # Temp names start with '.', which no key segment may, so list() never shows them.
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(data)
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except OSError as e:  # a write in the block too: the disk is full, say
             tmp.unlink(missing_ok=True)
             raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def watch(self, prefix: str, depth: int = 1):
         """Kernel notifications of commits (renames) under the folder `prefix` names."""

@@ -1,8 +1,11 @@
 """`S3Store`: an S3-compatible bucket (MinIO, SeaweedFS, AWS) through the `minio` SDK.
 
-Every object is written with a single PUT, so it is visible only when complete. Transient
-failures (refused or reset connections, timeouts, 5xx, SlowDown) are retried under a
-`RetryPolicy`; permanent ones (missing bucket, rejected credentials) fail at once with a
+`put_bytes` writes an object with a single PUT, so it is visible only when complete. `writer`
+spools what is written to a temporary file and `put_file` reads a local file: either sends
+an object of up to `STREAM_PART_SIZE` with one PUT and a larger one as a multipart upload of
+parts of that size, one part in memory at a time, visible only once the upload is completed.
+Transient failures (refused or reset connections, timeouts, 5xx, SlowDown) are retried under
+a `RetryPolicy`; permanent ones (missing bucket, rejected credentials) fail at once with a
 message naming the endpoint and the bucket. Credentials never appear in messages or repr.
 """
 
@@ -10,9 +13,12 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, TypeVar
 from urllib.parse import urlsplit
 
 import certifi
@@ -42,6 +48,8 @@ _CREDENTIAL_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
      "ExpiredToken", "AllAccessDisabled"}
 )
+STREAM_PART_SIZE = 64 << 20
+"""Bytes per part of a multipart upload from a file (`writer`, `put_file`)."""
 _ENV_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or SHARDRL_AWS_ACCESS_KEY_ID/...)"
 _CREATE_HINT = "create it (`shardrl run ... --create-bucket` does) or fix the store URI"
 
@@ -154,6 +162,36 @@ class S3Store(Store):
                 self.bucket, name, io.BytesIO(data), len(data), part_size=part_size
             ),
         )
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[IO[bytes]]:
+        """A temporary file (in the system's temp folder) that is uploaded when the block ends
+        without an error, then removed; the object never exists in memory whole."""
+        check_key(key)
+        with tempfile.TemporaryFile(prefix="shardrl-put-") as spool:
+            try:
+                yield spool
+                spool.flush()
+            except OSError as e:
+                raise StoreError(f"cannot spool {key!r} for {self.uri}: {e}") from e
+            self._put_file(key, spool, os.fstat(spool.fileno()).st_size)
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        with open(path, "rb") as f:
+            self._put_file(key, f, os.fstat(f.fileno()).st_size)
+
+    def _put_file(self, key: str, f: IO[bytes], size: int) -> None:
+        """Upload the `size` bytes of the open file `f` (read from its start at each attempt)."""
+        name = self.prefix + check_key(key)
+        part_size = max(size, MIN_PART_SIZE) if size <= STREAM_PART_SIZE else STREAM_PART_SIZE
+
+        def put() -> None:
+            f.seek(0)
+            # one part read at a time: parallel uploads would queue every part read ahead
+            self._client.put_object(self.bucket, name, f, size, part_size=part_size,
+                                    num_parallel_uploads=1)
+
+        self._call("put", key, put)
 
     def get_bytes(self, key: str) -> bytes:
         name = self.prefix + check_key(key)
