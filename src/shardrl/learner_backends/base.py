@@ -13,6 +13,7 @@ loads them into the modules *before* building the backend.
 
 from __future__ import annotations
 
+import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -145,6 +146,25 @@ def trainable_parts(policy: nn.Module, critic: nn.Module | None) -> dict[str, nn
     return {POLICY: policy} | ({CRITIC: critic} if critic is not None else {})
 
 
+class Loan:
+    """Live state tensors lent to a reader on another thread (a checkpoint writer): the
+    backend that lent them changes none of them until the reader calls `done`."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def done(self) -> None:
+        """The reader no longer reads the tensors (call it when it fails too)."""
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    @property
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+
 class Backend(Protocol):
     """A learner backend (torch or DeepSpeed)."""
 
@@ -152,6 +172,9 @@ class Backend(Protocol):
     critic: CriticModule | None
     rank: int
     world_size: int
+    lends_state: bool
+    """Whether `state_dict(copy=False)` gives the live tensors, for a reader that holds a
+    `lend()` loan, instead of copies."""
 
     def set_lr(self, part: str, lr: float) -> None:
         """Learning rate of one part's parameter group (the schedule calls this every step)."""
@@ -167,8 +190,14 @@ class Backend(Protocol):
         """Within it the modules hold their full weights (ZeRO-3 gathers them); for publishing."""
         ...
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Full AdamW state as CPU tensors (a collective call under DeepSpeed)."""
+    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+        """Full AdamW state as CPU tensors (a collective call under DeepSpeed); with
+        `copy=False` the optimizer's own tensors where `lends_state` (copies elsewhere)."""
+        ...
+
+    def lend(self) -> Loan:
+        """A loan of the live state (where `lends_state`): the next step's update, and any
+        `load_state_dict`, waits until it is `done`."""
         ...
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:

@@ -30,6 +30,7 @@ from .base import (
     STEP_KEY,
     CriticModule,
     Json,
+    Loan,
     OptimSettings,
     PolicyModule,
     moment_key,
@@ -107,11 +108,14 @@ class _Parts(nn.Module):
 
 
 class DeepSpeedLearnerBackend:
-    """`Backend` on a DeepSpeed engine. Call it on every rank, in the same order.
+    """`Backend` on a DeepSpeed engine. Call it on every rank, in the same order. Its state
+    is gathered from the partitions, so it is never lent (`lends_state`).
 
     `param_persistence_threshold` overrides ZeRO-3's size below which parameters stay whole
     on every rank (tests set 0 so that even a tiny model is partitioned).
     """
+
+    lends_state = False
 
     def __init__(self, lm: nn.Module, settings: OptimSettings, cfg: DeepSpeedBackend,
                  critic: Critic | None = None,
@@ -186,7 +190,8 @@ class DeepSpeedLearnerBackend:
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+        """Full tensors gathered from the partitions: always fresh ones, whatever `copy`."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         states = self._inner_states()
@@ -203,6 +208,9 @@ class DeepSpeedLearnerBackend:
                     full = safe_get_full_optimizer_state(param, slot)
                     state[moment_key(part, name, slot)] = full.detach().float().cpu().clone()
         return state
+
+    def lend(self) -> Loan:
+        raise NotImplementedError("DeepSpeed gathers its state: it lends none (lends_state)")
 
     def _materialize_state(self) -> None:
         """Create the (lazily built) AdamW state with one step of zero gradients at lr 0."""

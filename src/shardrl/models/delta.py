@@ -31,8 +31,10 @@ def bits(t: Tensor) -> Tensor:
     return t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
 
 
-def publish_state(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The model's state as fresh CPU tensors, floating ones cast to `dtype`.
+def publish_state(model: nn.Module, dtype: torch.dtype, copy: bool = True) -> dict[str, Tensor]:
+    """The model's state as fresh CPU tensors, floating ones cast to `dtype`; with
+    `copy=False` the model's own tensors (detached) where they are already contiguous CPU
+    tensors of that dtype, which the next update changes.
 
     A tensor that is the very same view as an earlier one (tied embeddings: the output head)
     is left out; loading tolerates the missing tied key. A model with LoRA adapters gives its
@@ -48,7 +50,7 @@ def publish_state(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
             continue
         seen.add(ident)
         t = t.detach()
-        t = t.to("cpu", dtype, copy=True) if t.is_floating_point() else t.to("cpu", copy=True)
+        t = t.to("cpu", dtype, copy=copy) if t.is_floating_point() else t.to("cpu", copy=copy)
         out[name] = t.contiguous()
     return out
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
+import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -192,3 +194,67 @@ def state_dict_bytes(model: torch.nn.Module, metadata: Mapping[str, str] | None 
 def load_state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
     """Inverse of `state_dict_bytes`: {key: CPU tensor}."""
     return safetensors_load(data)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+"""The safetensors name of each dtype `write_safetensors` writes."""
+
+WRITE_CHUNK = 64 << 20
+"""Bytes handed to one `write` call: a large tensor goes out in slices of its own memory."""
+
+
+def safetensors_header(tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The safetensors header of `tensors` (its 8-byte length included) and the order their
+    data follows it in: widest dtype first, then by name, as `safetensors.torch.save` lays
+    them out, so every tensor starts at a multiple of its element size."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: safetensors writing of {t.dtype} is not supported")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def safetensors_size(tensors: Mapping[str, torch.Tensor],
+                     metadata: Mapping[str, str] | None = None) -> int:
+    """The bytes `write_safetensors` writes for `tensors`."""
+    header, _ = safetensors_header(tensors, metadata)
+    return len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_safetensors(out: IO[bytes], tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None) -> int:
+    """Write `tensors` to the binary file `out` in the safetensors format, one tensor at a
+    time from its own memory (a non-contiguous or non-CPU tensor is copied alone), so no
+    whole-file buffer ever exists. Readable by `safetensors.torch.load`; returns the bytes
+    written. Tensors that share memory are written as separate copies (the caller leaves
+    out a tied weight it does not want twice)."""
+    header, order = safetensors_header(tensors, metadata)
+    out.write(header)
+    written = len(header)
+    for name in order:
+        t = tensors[name].detach()
+        if not t.numel():
+            continue
+        flat = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)  # little-endian bytes
+        view = memoryview(flat.numpy())
+        for start in range(0, len(view), WRITE_CHUNK):
+            out.write(view[start:start + WRITE_CHUNK])
+        written += len(view)
+        del view, flat
+    return written

@@ -1,14 +1,41 @@
 """Learner checkpoints: the backend's state (optimizer moments, critic) as safetensors files
-under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pickle."""
+under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pickle.
+
+A file is streamed into the store tensor by tensor (`models.io.write_safetensors` into
+`Store.writer`), so no serialized copy of it exists in memory. Its tensors can be the
+learner's live state (`CheckpointFiles.loan`): then the backend's next update waits until
+they are written, and they are released before the files are committed (renamed into place,
+or uploaded from the spool)."""
 
 from __future__ import annotations
 
-import torch
-from safetensors.torch import save as st_save
+from contextlib import ExitStack
 
+import torch
+
+from ..learner_backends.base import Loan
+from ..models.io import write_safetensors
 from ..store import RunKeys, Store
 from ..store.keys import folder_number
 from ..store.records import CheckpointPointer
+
+
+class CheckpointFiles(dict[str, dict[str, torch.Tensor]]):
+    """Checkpoint files, name -> tensors. With a `loan` they are the backend's own tensors,
+    which it leaves unchanged until `release` (after they are written, or when writing them
+    failed or was never reached)."""
+
+    loan: Loan | None = None
+
+    def release(self) -> None:
+        if self.loan is not None:
+            self.loan.done()
+
+
+def release(files: dict) -> None:
+    """Release the live tensors of `files`, if it holds any (see `CheckpointFiles`)."""
+    if isinstance(files, CheckpointFiles):
+        files.release()
 
 
 def save_checkpoint(store: Store, keys: RunKeys, step: int,
@@ -16,12 +43,19 @@ def save_checkpoint(store: Store, keys: RunKeys, step: int,
     """Write `files` (name -> tensors, each as safetensors) under learner/ckpt-<step>/, then
     move LATEST to it and delete all but the newest `keep` checkpoints.
 
-    Each file's tensors leave `files` as it is serialized, so (when `files` held the last
-    reference) at most one file exists twice in memory, as tensors and as bytes."""
-    for name in list(files):
-        data = st_save(files.pop(name))
-        store.put_bytes(keys.learner_file(step, f"{name}.safetensors"), data)
-        del data
+    Each file is written tensor by tensor from the tensors themselves, and leaves `files` as
+    it is written, so (when `files` held the last reference to copies) they are freed file by
+    file. Every file is written before any is committed; live tensors are released in between.
+    """
+    try:
+        with ExitStack() as committed:  # on leaving it, every file is in the store
+            for name in list(files):
+                out = committed.enter_context(
+                    store.writer(keys.learner_file(step, f"{name}.safetensors")))
+                write_safetensors(out, files.pop(name))
+            release(files)
+    finally:
+        release(files)
     CheckpointPointer(step=step).write(store, keys.latest_learner())
     _prune(store, keys, step, keep)
 

@@ -15,7 +15,7 @@ import torch
 from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
 from ...store.records import Buffered, LearnerRestart, LedgerDelta, LedgerEntry, Progress
-from ..checkpoint import save_checkpoint
+from ..checkpoint import release, save_checkpoint
 from ..inline import kept_groups
 from ..policy import point_latest, publish_weights
 from .buffer import Batch
@@ -89,7 +89,8 @@ class Commit:
     full_every: int = 1
     """`learner.publish.full_every`."""
     checkpoint: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """Checkpoint files (name -> tensors, serialized by `write`) when one is due."""
+    """Checkpoint files (name -> tensors, serialized by `write`) when one is due (may be the
+    backend's live tensors: `checkpoint.CheckpointFiles`)."""
     buffered: Buffered | None = None
     """Groups read and not committed (rollout workers that cannot count kept groups)."""
     beta: float | None = None
@@ -99,7 +100,15 @@ class Commit:
 
     def write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
               collect: Callable[[int], object]) -> None:
-        """The store writes, in the commit order (see the package docstring)."""
+        """The store writes, in the commit order (see the package docstring); live
+        checkpoint tensors are released however it ends."""
+        try:
+            self._write(store, keys, keep_checkpoints, collect)
+        finally:
+            release(self.checkpoint)
+
+    def _write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
+               collect: Callable[[int], object]) -> None:
         version = self.progress.version
         if self.weights is not None:
             publish_weights(store, keys, version, self.weights, self.previous, self.full_every)

@@ -9,6 +9,7 @@ import torch
 from ...learner_backends import Backend
 from ...models.delta import publish_state
 from ...models.lora import has_lora
+from ..checkpoint import CheckpointFiles
 
 BACKEND_STATE, CRITIC, MASTERS = "backend", "critic", "policy"
 """Checkpoint files `<name>.safetensors`: the backend's optimizer state, the critic's weights,
@@ -50,23 +51,29 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
     The full weights are gathered and copied in the publish `dtype`; when a checkpoint is
     due, the backend's full optimizer state (and the critic's weights) too, as checkpoint
     files, and the float32 master weights when `dtype` is narrower (a learner resumed at that
-    version continues from them). Every tensor is a copy, so the leader's writer serializes
-    them off the step's path while the next update runs. Returns (weights, checkpoint files
-    as name -> tensors) for the leader to write; (None, {}) on the other ranks.
+    version continues from them). The leader's writer serializes them off the step's path
+    while the next update runs. A backend that lends its state (the torch one) gives its
+    live tensors, and its next update waits, after the backward pass, until the writer has
+    written them (`CheckpointFiles.loan`); elsewhere every tensor is a copy. Returns
+    (weights, checkpoint files as name -> tensors) for the leader to write; (None, {}) on the
+    other ranks.
     """
-    weights, files = None, {}
+    weights, files = None, CheckpointFiles()
+    live = checkpoint_due and leader and backend.lends_state
     with backend.gathered():
         if leader:
             weights = publish_state(model, dtype)
             if checkpoint_due and dtype != torch.float32 and not has_lora(model):
-                files[MASTERS] = publish_state(model, torch.float32)
+                files[MASTERS] = publish_state(model, torch.float32, copy=not live)
     if checkpoint_due:
-        state = backend.state_dict()
+        state = backend.state_dict(copy=not live)
         if backend.critic is not None:
-            with backend.gathered():
-                critic = ({k: t.detach().to("cpu", copy=True)  # tied weights: one copy each
+            with backend.gathered():  # tied weights: each key gets its own copy in the file
+                critic = ({k: t.detach() if live else t.detach().to("cpu", copy=True)
                            for k, t in backend.critic.critic.state_dict().items()}
                           if leader else {})
             files[CRITIC] = critic
         files[BACKEND_STATE] = state if leader else {}
+        if live:
+            files.loan = backend.lend()
     return (weights, files) if leader else (None, {})
