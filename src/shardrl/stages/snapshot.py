@@ -9,12 +9,20 @@ from pathlib import Path
 
 from .. import __version__
 from ..config.model import PretrainedModel
-from ..models.io import check_tokenizers_match, load_causal_lm, load_tokenizer, save_model
+from ..models.io import (
+    check_safe_weights_dir,
+    check_tokenizers_match,
+    directory_manifest,
+    load_causal_lm,
+    load_tokenizer,
+    save_model,
+)
 from ..models.tiny import build_tiny_model, train_tokenizer
+from ..store import Store
 from ..tasks.prompts import PromptFormat
 from ..tasks.source import make_task
 from .context import StageContext
-from .policy import point_latest, upload_folder
+from .policy import MANIFEST, point_latest
 from .sft import encode_episodes, train_sft
 
 
@@ -48,9 +56,10 @@ def main(ctx: StageContext) -> int:
             ctx.log.info("sft done: %s", sft_info)
         policy_dir = work / "policy"
         save_model(model, tokenizer, policy_dir)
+        del model  # its weights may be pages of the source's file mapping: unmapped now
         ref_dir = _reference(ctx, policy_dir, tokenizer, work)
-        upload_folder(store, keys.ref_prefix(), ref_dir)
-        upload_folder(store, keys.policy_prefix(0), policy_dir)
+        _upload(store, keys.ref_prefix(), ref_dir)
+        _upload(store, keys.policy_prefix(0), policy_dir)
     point_latest(store, keys, 0)
     store.put_json(keys.run_json(), {
         "run_id": ctx.run_id, "version": __version__, "created": started,
@@ -87,3 +96,15 @@ def _reference(ctx: StageContext, policy_dir: Path, tokenizer, work: Path) -> Pa
     out = work / "ref"
     save_model(load_causal_lm(ref), ref_tok, out)
     return out
+
+
+def _upload(store: Store, prefix: str, folder: Path) -> dict[str, str]:
+    """Put every file of `folder` under `prefix`, then its manifest, as
+    `policy.upload_folder` does, but each file sent from the disk (`Store.put_file`) instead
+    of read into memory whole; returns the manifest."""
+    check_safe_weights_dir(folder)
+    manifest = directory_manifest(folder)
+    for rel in manifest:
+        store.put_file(prefix + rel, folder / rel)
+    store.put_json(prefix + MANIFEST, {"files": manifest, "time": time.time()})
+    return manifest
