@@ -10,6 +10,7 @@ as its cursor (`state/<stage>/cursor.json`), so downstream stages and restarts s
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pyarrow as pa
 
@@ -35,8 +36,11 @@ class Scanner:
     stage graph."""
 
     def __init__(self, store: Store, keys: RunKeys, cfg: RunConfig, name: str,
-                 handled: Callable[[int], set[str]]) -> None:
+                 handled: Callable[[int], set[str]],
+                 persist: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.store, self.keys, self.stage = store, keys, name
+        self.persist = persist or (lambda write: write())
+        """Runs the cursor's write: at once, or (the learner) queued behind its commits."""
         self.src: ShardKind = stage(name).reads
         self.rollout_workers = stage(GENERATOR).replicas(cfg)
         self.upstream = upstream(name, cfg)
@@ -63,7 +67,7 @@ class Scanner:
                 low = version + 1
         if low != self.low:
             self.low = low
-            Cursor(low=low).write(self.store, self.keys.cursor(self.stage))
+            self.persist(partial(Cursor(low=low).write, self.store, self.keys.cursor(self.stage)))
         return todo
 
 

@@ -40,11 +40,14 @@ class Ledger:
 
     def lags(self, version: int, table: pa.Table) -> None:
         """Count the admitted samples of a step at learner `version` by their lag."""
-        for v in table.column("policy_version").to_pylist():
-            self.staleness[version - v] += 1
+        for entry in pc.value_counts(table.column("policy_version")).to_pylist():
+            self.staleness[version - entry["values"]] += entry["counts"]
 
-    def record(self, batch: Batch) -> list[LedgerEntry]:
-        """Count a commit's shards; its ledger delta."""
+    def record(self, batch: Batch,
+               tallies: dict[str, tuple[int, int, int]] | None = None) -> list[LedgerEntry]:
+        """Count a commit's shards; its ledger delta. `tallies`: (worker, prompt groups, kept
+        groups) of shards already counted when they were read (the others are counted here)."""
+        tallies = tallies or {}
         delta = []
         for key, table, outcome in batch:
             sk = parse_shard_key(key)
@@ -56,8 +59,11 @@ class Ledger:
                 self.counts["consumed"] += kept
                 self.counts["filtered"] += rows - kept
             self.by_worker[sk.worker] += 1
-            self.groups_by_worker[sk.worker] += len(pc.unique(table.column("group_id")))
-            self.kept_by_worker[sk.worker] += kept_groups(table)
+            _, groups, kept_g = (tallies.get(key) or
+                                 (sk.worker, len(pc.unique(table.column("group_id"))),
+                                  kept_groups(table)))
+            self.groups_by_worker[sk.worker] += groups
+            self.kept_by_worker[sk.worker] += kept_g
             self.names.setdefault(sk.version, []).append(shard_name(key))
             delta.append(LedgerEntry(key=key, outcome=outcome, rows=rows))
         self.commits += 1
@@ -126,22 +132,28 @@ class Commit:
 
 
 class Writer:
-    """Store writes on one background thread, in order; at most one batch in flight."""
+    """Store writes on one background thread, in order; at most one commit in flight."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn-commit")
-        self.pending: Future | None = None
+        self.pending: list[Future] = []
 
     def submit(self, write: Callable, *args) -> None:
         """Queue `write(*args)` behind the writes in flight, which must end first."""
         self.wait()
-        self.pending = self.pool.submit(write, *args)
+        self.pending.append(self.pool.submit(write, *args))
+
+    def later(self, write: Callable, *args) -> None:
+        """Queue `write(*args)` behind the writes in flight without waiting for them: small
+        work that must follow the last commit (the scan cursor, the doctor's check) but need
+        not hold up the step. Its error is raised by the next `submit` or `wait`."""
+        self.pending.append(self.pool.submit(write, *args))
 
     def wait(self) -> None:
-        """Wait for the writes in flight; their error, if any, is raised here."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
+        """Wait for the writes in flight; the first error, if any, is raised here."""
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
 
     def close(self) -> None:
         try:

@@ -70,9 +70,11 @@ class Learner:
         """True while the ranks are inside one step's collectives (see `run`)."""
         self.profile = Profile()
         self.barren = Barren()
-        scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled)
-        self.buffer = ReadyBuffer(ctx, scanner, self.profile)
         self.writer = Writer()
+        # the cursor is written after the commits queued before it: it never closes a
+        # version whose last shards' ledger entry is not yet in the store
+        scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled, self.writer.later)
+        self.buffer = ReadyBuffer(ctx, scanner, self.profile)
         self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
         from ...doctor.live import LiveDoctor
 
@@ -209,7 +211,7 @@ class Learner:
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % self.cfg.learner.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
-            self.doctor.check(self.version)
+            self.writer.later(self.doctor.check, self.version)  # off the step's path
 
     def without_signal(self) -> bool:
         """Whether the run has had nothing to learn from for `max_batches_without_signal`
@@ -284,7 +286,7 @@ class Learner:
         writer (see the package docstring).
         """
         weights, files = self.advance(stepped)
-        delta = self.ledger.record(batch)
+        delta = self.ledger.record(batch, self.buffer.tallies)
         self.buffer.remove(batch)
         self.ledger.forget_below(self.buffer.scanner.low)
         commit = Commit(

@@ -1,0 +1,65 @@
+"""The learner's commit bookkeeping on hand-built shards: lag counts, the ledger's per-worker
+tallies (counted at read time or here), and the writer's order."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+
+from shardrl.stages.learn.commit import Ledger, Writer
+from shardrl.store import RunKeys
+from shardrl.store.records import Progress
+
+KEYS = RunKeys("r1")
+
+
+def shard(groups: list[list[bool]], version: int = 0) -> pa.Table:
+    """Rows of `groups` (one `keep` flag per sample) at policy `version`."""
+    gid = [f"g{g}" for g, keeps in enumerate(groups) for _ in keeps]
+    keep = [k for keeps in groups for k in keeps]
+    return pa.table({"group_id": gid, "keep": keep, "policy_version": [version] * len(keep)})
+
+
+def test_lags_count_admitted_samples_by_version_behind():
+    ledger = Ledger(Progress())
+    ledger.lags(5, pa.concat_tables([shard([[True, True]], 5), shard([[True, False, True]], 3)]))
+    ledger.lags(6, shard([[True]], 5))
+    assert dict(ledger.staleness) == {0: 2, 2: 3, 1: 1}
+
+
+def test_record_counts_rows_groups_and_uses_tallies_when_given():
+    a = KEYS.shard("ready", 0, 0, 0)
+    b = KEYS.shard("ready", 1, 1, 3)
+    batch = [(a, shard([[True, True], [False, False]]), "admitted"),
+             (b, shard([[True, False], [False]], 1), "stale")]
+    counted = Ledger(Progress())
+    delta = counted.record(batch)
+    assert [(e.key, e.outcome, e.rows) for e in delta] == [(a, "admitted", 4), (b, "stale", 3)]
+    assert dict(counted.counts) == {"consumed": 2, "filtered": 2, "stale_dropped": 3}
+    # worker 0: 2 groups, 1 kept; worker 1: 2 groups, 1 kept (a group with a kept row)
+    assert dict(counted.groups_by_worker) == {0: 2, 1: 2}
+    assert dict(counted.kept_by_worker) == {0: 1, 1: 1}
+    assert counted.names == {0: ["w00-000000.parquet"], 1: ["w01-000003.parquet"]}
+    # the same batch with the reader's tallies: taken as given, not recounted
+    told = Ledger(Progress())
+    told.record(batch, {a: (0, 7, 5)})
+    assert dict(told.groups_by_worker) == {0: 7, 1: 2}
+    assert dict(told.kept_by_worker) == {0: 5, 1: 1}
+
+
+def test_writer_runs_later_work_after_the_commit_in_flight_without_waiting():
+    writer, gate, order = Writer(), threading.Event(), []
+    try:
+        writer.submit(lambda: (gate.wait(5), order.append("commit")))
+        writer.later(order.append, "cursor")  # returns while the commit is still held
+        assert order == []
+        gate.set()
+        writer.wait()
+        assert order == ["commit", "cursor"]
+        writer.later(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            writer.submit(order.append, "next")  # the queued error surfaces at the next submit
+    finally:
+        writer.close()
