@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 from shardrl.config import load_config
 from shardrl.orchestrate.local import LocalRun
@@ -46,3 +49,17 @@ def test_stages_share_cores_unless_pinned(tmp_path):
     assert (tmp_path / "cores").is_dir()
     off = local_run(tmp_path, ["pipeline.local.share_cores=false"])
     assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]
+
+
+def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monkeypatch):
+    run = local_run(tmp_path, [])
+    assert run.cfg.pipeline.local.nice == {"rollout": 5, "evaluate": 10}
+    probe = [sys.executable, "-c", "import os; print(os.nice(0))"]
+    monkeypatch.setattr(run, "command", lambda name, worker: probe)
+    base = os.nice(0)
+    for name, more in (("rollout", 5), ("evaluate", 10), ("learn", 0)):
+        proc = run.start(name)
+        assert proc.popen.wait(timeout=30) == 0
+        assert int(proc.log.read_text().split()[-1]) == min(base + more, 19), name
+    with pytest.raises(ValueError, match="niceness from 0 to 19"):
+        load_config("demo", ["pipeline.local.nice={rollout: 20}"])

@@ -101,6 +101,20 @@ class LocalConfig(Section):
     cores: dict[Literal[LOOPING], list[int]] = {}
     """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
     every core. Pinning disables sharing for the pinned stages."""
+    nice: dict[Literal[LOOPING], int] = {"rollout": 5, "evaluate": 10}
+    """Scheduling niceness of stages on shared cores (0-19; higher yields the CPU to lower).
+    The learner makes the versions, so it goes first: while it is the bottleneck (the rollout
+    workers ahead, at their backlog cap) the workers' generation, which it cannot use yet,
+    and the evaluations would slow it if they had equal shares; niced, they run on the cycles
+    it leaves, and once it waits for data they have the cores to themselves. `{}`: equal."""
+
+    @field_validator("nice")
+    @classmethod
+    def _nice_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, n in value.items():
+            if not 0 <= n <= 19:
+                raise ValueError(f"pipeline.local.nice.{name}: give a niceness from 0 to 19")
+        return value
 
     @field_validator("cores")
     @classmethod

@@ -110,6 +110,7 @@ class LocalRun:
     def start(self, name: str, worker: int = 0) -> Proc:
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")
         env, cpus = self.placement(name)
+        nice = self.cfg.pipeline.local.nice.get(name, 0)
         die = die_with_parent()
 
         def preexec() -> None:
@@ -117,6 +118,8 @@ class LocalRun:
                 die()
             if cpus is not None:  # before exec: every thread of the stage inherits it
                 os.sched_setaffinity(0, cpus)
+            if nice:
+                os.nice(nice)
 
         command = self.command(name, worker)
         if self.cfg.pipeline.local.fork and command[2] == "shardrl.cli":
