@@ -70,11 +70,13 @@ class ReadyBuffer:
         """Whether listed shards are still being read."""
         return bool(self.reads)
 
-    def collect(self, block: bool) -> bool:
-        """Buffer the finished reads at the front of the queue (every read with `block`);
-        whether any was buffered. A read's error is raised here."""
+    def collect(self, block: bool, first: bool = False) -> bool:
+        """Buffer the finished reads at the front of the queue (every read with `block`; with
+        `first`, the front read, waited for, and those after it that are done); whether any
+        was buffered. A read's error is raised here."""
         buffered = False
-        while self.reads and (block or self.reads[0][2].done()):
+        while self.reads and (block or first or self.reads[0][2].done()):
+            first = False
             key, waited, future = self.reads.pop(0)
             started = time.monotonic()
             table, tally = future.result()

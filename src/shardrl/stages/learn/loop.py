@@ -143,8 +143,8 @@ class Learner:
         while self.version < lc.total_steps:
             new = buffer.poll(self.version)
             batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
-            if batch is None and buffer.reading():  # what the batch lacks is being read
-                new = buffer.collect(block=True) or new
+            while batch is None and buffer.reading():  # what the batch lacks is being read:
+                new = buffer.collect(block=False, first=True) or new  # one read at a time
                 batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
             if batch is None and ctx.once:  # the round's inputs are all in: step on them
                 batch = buffer.whole(self.version, self.k())
