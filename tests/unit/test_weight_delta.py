@@ -152,3 +152,19 @@ def test_a_tampered_delta_is_refused(tmp_path):
     store.put_bytes(keys.policy_file(2, DELTA), b"x" * 20)
     with pytest.raises(ValueError, match="manifest"):
         fetch_weights(store, keys, 2)
+
+
+def test_a_full_snapshot_is_streamed_and_its_manifest_digest_is_of_the_stored_bytes(tmp_path):
+    import hashlib
+
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    prev = {"w": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.ones(4)}
+    state = {"w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(4)}
+    written = publish_weights(store, keys, 2, state, prev, full_every=2)
+    full = store.get_bytes(keys.policy_file(2, WEIGHTS))
+    delta = store.get_bytes(keys.policy_file(2, DELTA))
+    assert written == len(full) + len(delta)
+    files = store.get_json(keys.policy_file(2, MANIFEST))["files"]
+    assert files == {WEIGHTS: hashlib.sha256(full).hexdigest(),
+                     DELTA: hashlib.sha256(delta).hexdigest()}
+    assert states_equal(fetch_weights(store, keys, 2), state)

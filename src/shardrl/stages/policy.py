@@ -29,6 +29,7 @@ from ..models.io import (
     load_causal_lm,
     load_state_dict_from_safetensors,
     load_tokenizer,
+    write_safetensors,
 )
 from ..store import RunKeys, Store
 from ..store.base import NotFound
@@ -93,20 +94,34 @@ def publish_weights(store: Store, keys: RunKeys, version: int, state: dict[str, 
     bytes written."""
     dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
     start = full_base(version, full_every)
-    files = {}
+    digests, written = {}, 0
     if prev is not None:
-        files[DELTA] = st_save(encode_delta(prev, state), metadata={"base": str(version - 1)})
+        data = st_save(encode_delta(prev, state), metadata={"base": str(version - 1)})
+        store.put_bytes(keys.policy_file(version, DELTA), data)
+        digests[DELTA], written = _sha(data), len(data)
     elif start != version:
         raise ValueError(f"policy v{version} is a delta: it needs the state of v{version - 1}")
-    if start == version:
-        files[WEIGHTS] = st_save(state, metadata={"format": "pt"})
-    for name, data in files.items():
-        store.put_bytes(keys.policy_file(version, name), data)
+    if start == version:  # streamed and hashed as written: no second copy of the weights
+        with store.writer(keys.policy_file(version, WEIGHTS)) as out:
+            hashed = _Hashed(out)
+            written += write_safetensors(hashed, state, metadata={"format": "pt"})
+        digests[WEIGHTS] = hashed.sha.hexdigest()
     store.put_json(keys.policy_file(version, MANIFEST),
-                   {"files": {name: _sha(data) for name, data in files.items()}, "base": 0,
+                   {"files": digests, "base": 0,
                     "time": time.time(), "kind": "full" if start == version else "delta",
                     "full": start, "every": full_every, "dtype": ",".join(sorted(dtypes))})
-    return sum(len(data) for data in files.values())
+    return written
+
+
+class _Hashed:
+    """A binary file that also feeds what is written to it into a sha256."""
+
+    def __init__(self, out) -> None:
+        self.out, self.sha = out, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.out.write(data)
 
 
 def point_latest(store: Store, keys: RunKeys, version: int, step: int | None = None) -> None:
