@@ -29,6 +29,12 @@ Batch = list[tuple[str, pa.Table, str]]
 """(key, table, outcome) of the shards one commit records: "admitted" or "stale"."""
 
 
+def tally(key: str, table: pa.Table) -> tuple[int, int, int]:
+    """(rollout worker, prompt groups, groups kept by filtering) of the ready shard at `key`."""
+    return (parse_shard_key(key).worker, len(pc.unique(table.column("group_id"))),
+            kept_groups(table))
+
+
 class ReadyBuffer:
     """Finds and reads new ready shards (oldest version first) and cuts them into batches."""
 
@@ -97,8 +103,7 @@ class ReadyBuffer:
         table = read_or_quarantine(self.ctx.store, key, READY, "learn")
         if table is None:
             return None, None
-        return table, (parse_shard_key(key).worker, len(pc.unique(table.column("group_id"))),
-                       kept_groups(table))
+        return table, tally(key, table)
 
     def close(self) -> None:
         self.reader.shutdown(wait=True, cancel_futures=True)

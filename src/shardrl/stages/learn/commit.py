@@ -16,9 +16,8 @@ from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
 from ...store.records import Buffered, LearnerRestart, LedgerDelta, LedgerEntry, Progress
 from ..checkpoint import release, save_checkpoint
-from ..inline import kept_groups
 from ..policy import point_latest, publish_weights
-from .buffer import Batch
+from .buffer import Batch, tally
 
 
 class Ledger:
@@ -59,9 +58,7 @@ class Ledger:
                 self.counts["consumed"] += kept
                 self.counts["filtered"] += rows - kept
             self.by_worker[sk.worker] += 1
-            _, groups, kept_g = (tallies.get(key) or
-                                 (sk.worker, len(pc.unique(table.column("group_id"))),
-                                  kept_groups(table)))
+            _, groups, kept_g = tallies.get(key) or tally(key, table)
             self.groups_by_worker[sk.worker] += groups
             self.kept_by_worker[sk.worker] += kept_g
             self.names.setdefault(sk.version, []).append(shard_name(key))
