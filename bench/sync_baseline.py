@@ -26,8 +26,10 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
 What it does not cover (it raises): KL terms (a reference model), GAE (a critic) and the vLLM
 engine. The baseline is on-policy (every sample is from the current weights).
 
-Its clock starts once torch, transformers and the library are imported (`--clock-start`,
-epoch seconds, sets another start; model loading counts, as ShardRL's stage start-up does)
+Its clock starts once torch, transformers and the library are imported, their first-call
+costs paid and the task built, as ShardRL's runner does before its stages start
+(`before_clock`; `--clock-start`, epoch seconds, sets another start; model loading counts,
+as ShardRL's stage start-up does)
 and is paused while held-out pass@1 is measured: `bench.demo_control.heldout_pass`, the
 function, engine and sampling seed the TRL side is evaluated with, on all held-out prompts;
 at t=0 (the snapshot), every `budget / eval_points` seconds of clock, and when the budget is
@@ -303,6 +305,17 @@ class SyncTrainer:
         return applied
 
 
+def before_clock(cfg) -> None:
+    """What ShardRL's runner does before its stages' clock starts, done for a peer too: the
+    libraries' first-call costs paid on a throwaway model (`shardrl.orchestrate.warmup.exercise`) and the
+    run's task built (`make_task`, cached for the process)."""
+    from shardrl.orchestrate.warmup import exercise
+    from shardrl.tasks.source import make_task
+
+    exercise()
+    make_task(cfg)
+
+
 def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
              eval_points: int, clock_start: float | None = None,
              threads: int | None = None) -> dict:
@@ -318,8 +331,9 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
 
-    clock = PausableClock(time.time() if clock_start is None else clock_start)
     cfg = load_config(config, overrides)
+    before_clock(cfg)
+    clock = PausableClock(time.time() if clock_start is None else clock_start)
     trainer = SyncTrainer(cfg, snapshot, threads)
 
     def evaluate() -> float:

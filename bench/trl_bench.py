@@ -21,10 +21,12 @@ their clocks paused while they are evaluated. Every process waits for OpenMP wor
 ShardRL's stages do: with active waiting, idle threads spin on cores others need.
 ShardRL's clock starts when its snapshot is published and stops at `DONE.json`; a point of
 its curve is the time its policy version was published. Its stages are forked from a runner
-that imported their libraries before the snapshot, so their start-up (forking, loading the
-policy) counts but importing torch and transformers does not. TRL and the baseline run in
-fresh processes whose clocks start once those libraries (and TRL) are imported: loading the
-model and setting up the trainer count, as for ShardRL.
+that imported their libraries, paid their first-call costs on a throwaway model and built
+the task before the snapshot, and they start while the snapshot runs; loading the policy,
+the first shards and the first step count, importing torch and transformers does not. TRL
+and the baseline run in fresh processes whose clocks start once those libraries (and TRL)
+are imported and the same warm-up and task building are done (`sync_baseline.before_clock`):
+loading the model and setting up the trainer count, as for ShardRL.
 
 Repeat r runs with `seed` = the config's seed + r on all three sides (the SFT snapshot, the
 prompt streams, sampling and initialisation), so the repeats are independent samples of each
@@ -399,9 +401,12 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from shardrl.tasks.prompts import PromptFormat
     from shardrl.tasks.source import make_task
 
+    from bench.sync_baseline import before_clock
+
+    cfg = load_config(config, overrides)
+    before_clock(cfg)
     clock_start = time.time() if clock_start is None else clock_start
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = load_config(config, overrides)
     task, lc, ro = make_task(cfg), cfg.learner, cfg.rollout
     # the rollout worker's prompt stream, in order: shard `seq` holds train_items(0, seq, n);
     # 32x the prompts ShardRL's learner takes: TRL, faster per step, also sees fresh prompts

@@ -7,9 +7,10 @@ before any stage starts, and forks a child per stage replica. Each child takes i
 session, log file, environment and CPU affinity, names itself `stage:NAME`
 (`/proc/PID/comm`), and runs the same `shardrl stage ...` command line in-process.
 
-Forking is safe here because the runner never runs a torch operation (no OpenMP pool to
-inherit) and keeps no threads of its own while it forks: `warm` turns off tqdm's monitor
-thread. CPython takes the import lock around `fork`.
+Forking is safe here because the runner runs torch operations only on one thread (so it
+has no OpenMP pool for a child to inherit: `orchestrate.warmup`) and keeps no threads of its own
+while it forks: `warm` turns off tqdm's monitor thread. CPython takes the import lock
+around `fork`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ STAGE_MODULES = ("shardrl.stages", "shardrl.stages.snapshot", "shardrl.stages.ro
 _PR_SET_NAME = 15
 
 
-def warm() -> None:
-    """Import what the stages import, once, in the runner."""
+def warm(cfg=None) -> None:
+    """Import what the stages import, once, in the runner; pay the libraries' first-call
+    costs (`orchestrate.warmup`) and build the run's task (`cfg`'s) for every stage too."""
     import tqdm
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread in a process that forks
@@ -45,6 +47,13 @@ def warm() -> None:
     from ..stages.context import warm_up
 
     warm_up()  # the libraries' lazy loads too, once for every stage
+    from .warmup import exercise
+
+    exercise()  # and their first-call costs (loading, sampling, a step), on one thread
+    if cfg is not None:
+        from ..tasks.source import make_task
+
+        make_task(cfg)
     gc.freeze()  # children inherit them: no full collection scans them, nor copies their pages
 
 

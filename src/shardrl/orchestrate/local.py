@@ -216,7 +216,7 @@ def run(args) -> int:
     if lr.cfg.pipeline.local.fork:
         from .fork import warm
 
-        warm()  # the stages' imports, once: every stage is forked from here
+        warm(lr.cfg)  # the stages' imports, once: every stage is forked from here
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -225,15 +225,18 @@ def run(args) -> int:
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
     try:
-        if not lr.store.exists(lr.keys.run_json()):  # run.json ends the stages before the loop
-            for spec in before_loop(lr.cfg):
-                monitor.say(f"{spec.name}: {spec.description}")
-                if (code := one_shot(lr, spec.name)) != 0:
-                    return code
+        fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
+        # the looping stages start first and wait for run.json: their start-up (forking or
+        # importing, the store, the config) overlaps the snapshot instead of following it
         for spec in active(lr.cfg):
             if spec.loops:
                 for w in range(spec.replicas(lr.cfg)):
                     lr.procs.append(lr.start(spec.name, w))
+        if fresh:
+            for spec in before_loop(lr.cfg):
+                monitor.say(f"{spec.name}: {spec.description}")
+                if (code := one_shot(lr, spec.name)) != 0:
+                    return code
         code = supervise(lr, monitor, lambda: interrupted)
         if code != 0:
             return code

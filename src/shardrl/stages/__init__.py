@@ -36,6 +36,8 @@ def run(args) -> int:
     gc.freeze()
 
     try:
+        if stage(args.name).loops:
+            ctx.wait_for_run()
         try:
             return int(module.main(ctx) or 0)
         finally:

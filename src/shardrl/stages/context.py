@@ -132,6 +132,21 @@ class StageContext:
                 self.log.error("run aborted: %s; stopping", self._abort.describe())
         return self._abort
 
+    def wait_for_run(self) -> None:
+        """Block until the snapshot has created the run (`run.json`, its last write). A
+        looping stage may start before that: the local runner starts them while the
+        snapshot runs, so that their start-up overlaps it."""
+        key = self.keys.run_json()
+        if self.store.exists(key):
+            return
+        self.log.info("waiting for the run's snapshot (%s)", key)
+        watch = self.store.watch(self.keys.root, depth=0)
+        try:
+            while not self.store.exists(key):
+                watch.wait(1.0)
+        finally:
+            watch.close()
+
     def latest_version(self) -> int | None:
         """The newest published policy version, or None before the snapshot finished."""
         pointer = PolicyPointer.read(self.store, self.keys.latest_policy(), optional=True)

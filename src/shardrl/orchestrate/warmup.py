@@ -1,0 +1,76 @@
+"""Paying the libraries' first-call costs once, before any stage (or a baseline) starts.
+
+The first `from_pretrained`, the first generation and the first backward pass and AdamW step
+of a process each cost far more than the later ones: transformers resolves and imports the
+model's classes, torch initialises its kernels and the autograd engine, safetensors and the
+generation utilities load lazily. On a small machine the stages would pay that side by side
+right after the snapshot is published, before the first shard and the first step. The
+runner, which forks every stage, calls `exercise` once beforehand on a throwaway model of a
+few hundred parameters, so each forked stage starts with those paths warm (copied on write,
+not paid again). The benchmarks' peers call it too before their clocks start, so every side
+of a comparison starts equally warm.
+
+It runs its torch operations on one thread: with a single thread torch starts no OpenMP
+worker pool, and a process that forks must not have one (a forked child cannot use the
+parent's pool). The thread count is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..engines.hf import HFEngine
+from ..learner_backends.base import PolicyModule
+from ..models.io import load_causal_lm, save_model
+
+VOCAB, PAD, EOS = 12, 0, 2
+
+
+def _tiny() -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
+                         max_position_embeddings=16, bos_token_id=1, eos_token_id=EOS,
+                         pad_token_id=PAD, tie_word_embeddings=True, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def exercise() -> None:
+    """Save and load a throwaway model, sample from it, and take one AdamW step on it, all on
+    one torch thread; raises if that left a thread behind in the process."""
+    threads_before = _threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shardrl-warmup-") as folder:
+            save_model(_tiny(), None, folder)
+            model = load_causal_lm(folder)
+        engine = HFEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+        engine.generate([[1, 5, 6], [1, 7]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3,
+                        seed=0)
+        model.train()
+        policy = PolicyModule(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.tensor([[1, 5, 6, 7, 8], [0, 1, 7, 9, 3]])  # (B, L), left-padded
+        out = policy(ids, (ids != PAD).long(), torch.tensor([3, 3]))
+        (-out.logprobs.mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    finally:
+        torch.set_num_threads(previous)
+    if _threads() != threads_before:
+        raise RuntimeError("warming the libraries up started a thread in a process that forks")
+
+
+def _threads() -> int:
+    """Threads of this process (the OS's count where it gives one: native ones too)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()

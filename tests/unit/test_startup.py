@@ -1,0 +1,104 @@
+"""Start-up: the runner's warm-up, the task built once, and looping stages that start before
+the snapshot and wait for it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from shardrl.config import load_config
+from shardrl.orchestrate import local
+from shardrl.store import LocalStore, RunKeys
+from shardrl.tasks.source import make_task
+
+FORK_AFTER_WARMUP = r"""
+import os, sys, torch
+from shardrl.config import load_config
+from shardrl.orchestrate.fork import warm
+
+torch.set_num_threads(2)
+warm(load_config("demo"))  # what the runner does; raises if the warm-up started a thread
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+pid = os.fork()
+if pid == 0:  # the child's OpenMP must work: the parent has no pool for it to inherit
+    torch.set_num_threads(2)
+    a = torch.randn(512, 512)
+    for _ in range(20):
+        a = torch.tanh(a @ a / 512)
+    os._exit(0 if torch.isfinite(a).all() else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_the_runners_warmup_starts_no_thread_and_a_forked_child_can_use_openmp():
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_WARMUP], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_task_is_built_once_per_process_and_task_settings():
+    cfg = load_config("demo")
+    first = make_task(cfg)
+    assert make_task(load_config("demo")) is first  # an equal config: the same task
+    other = make_task(load_config("demo", ["seed=7"]))
+    assert other is not first
+    assert [it.prompt for it in other.train_items(0, 0, 8)] != [
+        it.prompt for it in first.train_items(0, 0, 8)]
+    # settings outside the task section do not rebuild it
+    assert make_task(load_config("demo", ["learner.lr=0.5"])) is first
+
+
+def context(store: Path):
+    from shardrl.stages.context import build_context
+
+    args = argparse.Namespace(name="rollout", config="demo", overrides=[], store=str(store),
+                              run_id="r1", worker=0, workers=1, once=False)
+    return build_context(args)
+
+
+def test_a_looping_stage_waits_for_run_json_then_goes_on(tmp_path):
+    ctx = context(tmp_path)
+    (tmp_path / "runs" / "r1").mkdir(parents=True)  # the runner's log folder is there
+    waiter = threading.Thread(target=ctx.wait_for_run, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # no run.json: still waiting
+    LocalStore(str(tmp_path)).put_json(RunKeys("r1").run_json(), {"run_id": "r1"})
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+
+
+def test_the_runner_starts_the_looping_stages_before_the_snapshot(tmp_path, monkeypatch):
+    started: list[str] = []
+    seen_at_snapshot: list[list[str]] = []
+
+    class Started:
+        def __init__(self, name: str) -> None:
+            self.name, self.popen = name, self
+
+        def poll(self):
+            return None
+
+    def start(self, name, worker=0):
+        started.append(name)
+        return Started(name)
+
+    def one_shot(lr, name):  # the snapshot fails at once: the run ends there
+        seen_at_snapshot.append(list(started))
+        return 1
+
+    stopped = []
+    monkeypatch.setattr(local.LocalRun, "start", start)
+    monkeypatch.setattr(local.LocalRun, "stop_all", lambda self: stopped.append(True))
+    monkeypatch.setattr(local, "one_shot", one_shot)
+    args = argparse.Namespace(resume=None, config="demo", overrides=["pipeline.local.fork=false"],
+                              store=str(tmp_path), run_id="r1", no_progress=True,
+                              no_report=True, create_bucket=False)
+    assert local.run(args) == 1
+    assert seen_at_snapshot == [["rollout", "rollout", "learn", "evaluate"]]
+    assert stopped  # and they are stopped with the run
