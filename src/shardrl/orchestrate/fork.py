@@ -47,9 +47,12 @@ def warm(cfg=None) -> None:
     from ..stages.context import warm_up
 
     warm_up()  # the libraries' lazy loads too, once for every stage
-    from .warmup import exercise
+    from .warmup import exercise, thread_count
 
+    threads = thread_count()
     exercise()  # and their first-call costs (loading, sampling, a step), on one thread
+    if thread_count() != threads:
+        raise RuntimeError("warming the libraries up started a thread in the runner, which forks")
     if cfg is not None:
         from ..tasks.source import make_task
 

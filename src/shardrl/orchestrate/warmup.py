@@ -43,8 +43,7 @@ def _tiny() -> LlamaForCausalLM:
 
 def exercise() -> None:
     """Save and load a throwaway model, sample from it, and take one AdamW step on it, all on
-    one torch thread; raises if that left a thread behind in the process."""
-    threads_before = _threads()
+    one torch thread."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -64,11 +63,9 @@ def exercise() -> None:
         opt.step()
     finally:
         torch.set_num_threads(previous)
-    if _threads() != threads_before:
-        raise RuntimeError("warming the libraries up started a thread in a process that forks")
 
 
-def _threads() -> int:
+def thread_count() -> int:
     """Threads of this process (the OS's count where it gives one: native ones too)."""
     try:
         return len(os.listdir("/proc/self/task"))
