@@ -33,7 +33,10 @@ class RolloutConfig(Section):
     """Flow control in the unit the learner consumes: a worker pauses while the prompt groups
     kept by filtering that it wrote and the learner has not yet committed fill this many
     learner steps beyond the one being trained (the worker's share of `batch_prompts` each).
-    Never more than `max_staleness` steps, so `k: 0` stays synchronous."""
+    Never more than `max_staleness` steps, so `k: 0` stays synchronous. More run-ahead keeps
+    the workers busier but trains on older samples: on the demo (2 cores, 5 seeds) 2 instead
+    of 1 raised samples/s by 5% and the workers' busy share from 0.82 to 0.86, yet reached
+    the target pass@1 later (0.65x the synchronous loop's speed instead of 1.26x)."""
     max_batch_shards: int = Field(8, ge=1, le=4096)
     """Most shards generated in one batch. A worker generates as many shards at once as its
     backlog has room for (fewer, larger batches keep the cores busy); 1: shard by shard."""
