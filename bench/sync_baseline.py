@@ -307,8 +307,8 @@ class SyncTrainer:
 
 def before_clock(cfg) -> None:
     """What ShardRL's runner does before its stages' clock starts, done for a peer too: the
-    libraries' first-call costs paid on a throwaway model (`shardrl.orchestrate.warmup.exercise`) and the
-    run's task built (`make_task`, cached for the process)."""
+    libraries' first-call costs paid on a throwaway model (`orchestrate.warmup.exercise`)
+    and the run's task built (`make_task`, cached for the process)."""
     from shardrl.orchestrate.warmup import exercise
     from shardrl.tasks.source import make_task
 

@@ -395,13 +395,12 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from trl import GRPOConfig, GRPOTrainer
 
     from bench.demo_control import heldout_pass
+    from bench.sync_baseline import before_clock
     from shardrl.algo import lr_schedule
     from shardrl.config import load_config
     from shardrl.models.io import load_causal_lm, load_tokenizer
     from shardrl.tasks.prompts import PromptFormat
     from shardrl.tasks.source import make_task
-
-    from bench.sync_baseline import before_clock
 
     cfg = load_config(config, overrides)
     before_clock(cfg)

@@ -8,9 +8,9 @@ session, log file, environment and CPU affinity, names itself `stage:NAME`
 (`/proc/PID/comm`), and runs the same `shardrl stage ...` command line in-process.
 
 Forking is safe here because the runner runs torch operations only on one thread (so it
-has no OpenMP pool for a child to inherit: `orchestrate.warmup`) and keeps no threads of its own
-while it forks: `warm` turns off tqdm's monitor thread. CPython takes the import lock
-around `fork`.
+has no OpenMP pool for a child to inherit: `warmup`) and starts no threads of its own
+before it forks: `warm` turns off tqdm's monitor thread and checks that the warm-up left no
+thread behind. CPython takes the import lock around `fork`.
 """
 
 from __future__ import annotations
