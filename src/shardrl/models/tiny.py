@@ -66,17 +66,30 @@ def build_tiny_model(
     Input and output embeddings are tied (at these sizes the embedding matrices would
     otherwise be a large share of the parameters). Same `seed` gives the same weights.
     """
+    return tiny_lm(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        seed=seed,
+    )
+
+
+def tiny_lm(*, vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int,
+            hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+            max_position_embeddings: int, seed: int) -> LlamaForCausalLM:
+    """`build_tiny_model` from the vocabulary's size and special ids alone."""
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
         tie_word_embeddings=True,
         attn_implementation="eager",
     )

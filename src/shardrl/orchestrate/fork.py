@@ -36,7 +36,7 @@ STAGE_MODULES = ("shardrl.stages", "shardrl.stages.snapshot", "shardrl.stages.ro
 _PR_SET_NAME = 15
 
 
-def warm(cfg=None) -> None:
+def warm(cfg) -> None:
     """Import what the stages import, once, in the runner; pay the libraries' first-call
     costs (`orchestrate.warmup`) and build the run's task (`cfg`'s) for every stage too."""
     import tqdm
@@ -53,10 +53,9 @@ def warm(cfg=None) -> None:
     exercise()  # and their first-call costs (loading, sampling, a step), on one thread
     if thread_count() != threads:
         raise RuntimeError("warming the libraries up started a thread in the runner, which forks")
-    if cfg is not None:
-        from ..tasks.source import make_task
+    from ..tasks.source import make_task
 
-        make_task(cfg)
+    make_task(cfg)
     gc.freeze()  # children inherit them: no full collection scans them, nor copies their pages
 
 

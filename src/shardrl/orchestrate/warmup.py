@@ -22,23 +22,13 @@ import tempfile
 import threading
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..engines.hf import HFEngine
 from ..learner_backends.base import PolicyModule
 from ..models.io import load_causal_lm, save_model
+from ..models.tiny import tiny_lm
 
 VOCAB, PAD, EOS = 12, 0, 2
-
-
-def _tiny() -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
-                         max_position_embeddings=16, bos_token_id=1, eos_token_id=EOS,
-                         pad_token_id=PAD, tie_word_embeddings=True, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config)
 
 
 def exercise() -> None:
@@ -48,7 +38,10 @@ def exercise() -> None:
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory(prefix="shardrl-warmup-") as folder:
-            save_model(_tiny(), None, folder)
+            save_model(tiny_lm(vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS,
+                               pad_token_id=PAD, hidden_size=8, num_layers=1, num_heads=2,
+                               intermediate_size=16, max_position_embeddings=16, seed=0),
+                       None, folder)
             model = load_causal_lm(folder)
         engine = HFEngine(model, eos_token_id=EOS, pad_token_id=PAD)
         engine.generate([[1, 5, 6], [1, 7]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3,
