@@ -159,19 +159,27 @@ def test_torch_backend_updates_wait_for_the_loans():
     assert stepped.is_set() and not torch.equal(live[key], before)
 
 
-def test_a_commit_that_fails_before_its_checkpoint_returns_the_loan(tmp_path):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_commit_that_fails_before_its_checkpoint_returns_the_loan(tmp_path, where):
     from shardrl.stages.learn.commit import Commit
+    from shardrl.stages.learn.offload import commit_writes
     from shardrl.store.records import Progress
 
     store, keys = LocalStore(tmp_path), RunKeys("r1")
     files = CheckpointFiles(backend={"step": torch.tensor(1.0)})
     files.loan = Loan()
-    # version 3 of a full-every-10 schedule is a delta: without the previous state it fails
+    # version 3 of a full-every-10 schedule is a delta: a writer without the state of
+    # version 2 fails it
+    # (in the child process too, whose error comes back as the same exception)
     commit = Commit(progress=Progress(version=3, commits=3), delta=[], stepped=True,
-                    weights={"w": torch.zeros(2)}, previous=None, full_every=10,
+                    weights={"w": torch.zeros(2)}, full_every=10,
                     checkpoint=files)
-    with pytest.raises(ValueError, match="is a delta"):
-        commit.write(store, keys, 2, lambda version: None)
+    out = commit_writes(store, keys, where, state_bytes=0)
+    try:
+        with pytest.raises(ValueError, match="is a delta"):
+            commit.write(out, store, keys, 2, lambda version: None)
+    finally:
+        out.close()
     assert files.loan.is_done
     assert latest_checkpoint(store, keys) is None
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
@@ -17,6 +15,7 @@ import yaml
 
 from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
+from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
@@ -33,22 +32,6 @@ def restart_delay(restarts: int) -> float:
     """Seconds to wait before restart number `restarts + 1` of one stage: 1, 2, 4, ... 30."""
     first, cap = RESTART_BACKOFF_S
     return min(cap, first * 2.0 ** restarts)
-
-
-def die_with_parent():
-    """A `preexec_fn` that has the kernel kill the child when the runner dies (Linux), so a
-    SIGKILLed runner leaves no stage behind to race the stages of `--resume`."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the runner died before the call above
-            os._exit(1)
-
-    return hook
 
 
 @dataclass

@@ -23,11 +23,12 @@ import threading
 import time
 
 from ..graph import entrypoint
+from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages.context import load_stage_config, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
-from .local import die_with_parent, restart_delay
+from .local import restart_delay
 
 
 def child_command(args) -> list[str]:

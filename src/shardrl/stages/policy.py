@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as st_save
 
 from ..models.delta import DTYPES, apply_delta, cast_state, encode_delta
 from ..models.io import (
@@ -95,10 +94,12 @@ def publish_weights(store: Store, keys: RunKeys, version: int, state: dict[str, 
     dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
     start = full_base(version, full_every)
     digests, written = {}, 0
-    if prev is not None:
-        data = st_save(encode_delta(prev, state), metadata={"base": str(version - 1)})
-        store.put_bytes(keys.policy_file(version, DELTA), data)
-        digests[DELTA], written = _sha(data), len(data)
+    if prev is not None:  # streamed and hashed as written, as the full snapshot below
+        with store.writer(keys.policy_file(version, DELTA)) as out:
+            hashed = _Hashed(out)
+            written = write_safetensors(hashed, encode_delta(prev, state),
+                                        metadata={"base": str(version - 1)})
+        digests[DELTA] = hashed.sha.hexdigest()
     elif start != version:
         raise ValueError(f"policy v{version} is a delta: it needs the state of v{version - 1}")
     if start == version:  # streamed and hashed as written: no second copy of the weights

@@ -130,6 +130,12 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove the object at `key`; deleting a missing key is not an error."""
 
+    def reopened(self) -> Store:
+        """The same store for a forked child process, sharing no connection with this one
+        (two processes writing into one socket garble both); a store that holds no
+        connections is its own."""
+        return self
+
     def watch(self, prefix: str, depth: int = 1):
         """A waiter that wakes when objects may have been committed under `prefix` (folder
         `depth` levels deep): `watch(...).wait(timeout)` replaces a fixed sleep. This default

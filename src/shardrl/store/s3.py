@@ -88,6 +88,10 @@ class S3Store(Store):
         region: str = "us-east-1",
         retry: RetryPolicy | None = None,
     ) -> None:
+        self._settings = dict(bucket=bucket, prefix=prefix, endpoint=endpoint,
+                              access_key=access_key, secret_key=secret_key, secure=secure,
+                              region=region, retry=retry)
+        """What `reopened` builds a new client from (its credentials are the client's too)."""
         if not bucket:
             raise ValueError("S3Store needs a bucket name")
         try:
@@ -146,6 +150,10 @@ class S3Store(Store):
     @property
     def uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def reopened(self) -> S3Store:
+        """A new client with its own connection pool, on the same bucket and settings."""
+        return S3Store(**self._settings)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r}, endpoint={self.endpoint!r})"

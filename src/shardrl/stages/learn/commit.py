@@ -16,8 +16,8 @@ from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
 from ...store.records import Buffered, LearnerRestart, LedgerDelta, LedgerEntry, Progress
 from ..checkpoint import release, save_checkpoint
-from ..policy import point_latest, publish_weights
 from .buffer import Batch, tally
+from .offload import CommitProcess, Point, Publish, Put, Write, Writes
 
 
 class Ledger:
@@ -87,8 +87,6 @@ class Commit:
     stepped: bool
     weights: dict[str, torch.Tensor] | None = None
     """The new version's weights in the publish dtype (an applied step)."""
-    previous: dict[str, torch.Tensor] | None = None
-    """The published weights of the version before, which a delta is taken against."""
     full_every: int = 1
     """`learner.publish.full_every`."""
     checkpoint: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -101,30 +99,37 @@ class Commit:
     restart: LearnerRestart | None = None
     """The ledger delta's replay fields (see `LedgerDelta`)."""
 
-    def write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
-              collect: Callable[[int], object]) -> None:
-        """The store writes, in the commit order (see the package docstring); live
-        checkpoint tensors are released however it ends."""
+    def write(self, out: Writes | CommitProcess, store: Store, keys: RunKeys,
+              keep_checkpoints: int, collect: Callable[[int], object]) -> None:
+        """The store writes, in the commit order (see the package docstring): `out` runs all
+        but the checkpoint's (here or in its child process, see `offload`). Live checkpoint
+        tensors are released however it ends."""
         try:
-            self._write(store, keys, keep_checkpoints, collect)
+            self._write(out, store, keys, keep_checkpoints, collect)
         finally:
             release(self.checkpoint)
 
-    def _write(self, store: Store, keys: RunKeys, keep_checkpoints: int,
-               collect: Callable[[int], object]) -> None:
+    def _write(self, out: Writes | CommitProcess, store: Store, keys: RunKeys,
+               keep_checkpoints: int, collect: Callable[[int], object]) -> None:
         version = self.progress.version
+        before: list[Write] = []
         if self.weights is not None:
-            publish_weights(store, keys, version, self.weights, self.previous, self.full_every)
-        LedgerDelta(version=version, stepped=self.stepped, shards=self.delta, beta=self.beta,
-                    threads=self.threads, restart=self.restart).write(
-            store, keys.ledger(self.progress.commits))
+            before.append(Publish(version, self.weights, self.full_every))
+        before.append(Put(keys.ledger(self.progress.commits), LedgerDelta(
+            version=version, stepped=self.stepped, shards=self.delta, beta=self.beta,
+            threads=self.threads, restart=self.restart)))
         if self.buffered is not None:  # before progress.json: a reader double-counts, never misses
-            self.buffered.write(store, keys.buffered())
-        if self.checkpoint:
-            save_checkpoint(store, keys, version, self.checkpoint, keep_checkpoints)
-        self.progress.write(store, keys.progress())
+            before.append(Put(keys.buffered(), self.buffered))
+        after: list[Write] = [Put(keys.progress(), self.progress)]
         if self.stepped:
-            point_latest(store, keys, version, step=version)
+            after.append(Point(version))
+        if self.checkpoint:
+            out.run(before)
+            save_checkpoint(store, keys, version, self.checkpoint, keep_checkpoints)
+            out.run(after)
+        else:
+            out.run(before + after)
+        if self.stepped:
             collect(version)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pyarrow as pa
@@ -11,7 +12,7 @@ from safetensors.torch import load as st_load
 
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
-from ...models.delta import publish_state
+from ...models.delta import publish_state, state_bytes
 from ...store.records import Aborted, Done, LearnerRestart, Progress
 from ...store.schemas import READY
 from ...store.shards import read_shard
@@ -27,6 +28,7 @@ from ..update import compute_loss, micro_losses
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
+from .offload import CommitProcess, Writes, commit_writes
 from .profile import Profile
 
 
@@ -62,8 +64,8 @@ class Learner:
         """Torch threads of the last update's forward and backward (see `LedgerDelta`)."""
         self.dtype = publish_dtype(cfg)
         """Dtype of the published versions."""
-        self.published: dict | None = None
-        """The leader's copy of the last published version (what the next delta is against)."""
+        self.commits: Writes | CommitProcess | None = None
+        """What runs the commits' writes (made by `_resume_backend`)."""
         self.backend = self._resume_backend()
         self.leader = self.backend.rank == 0
         self.in_step = False
@@ -91,7 +93,7 @@ class Learner:
 
             critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
         if self.version > 0:  # weights go in before the backend takes the modules over
-            self.published = fetch_weights(store, keys, self.version)
+            published = fetch_weights(store, keys, self.version)
             ckpt = latest_checkpoint(store, keys)
             masters = keys.learner_file(ckpt or 0, f"{ranks.MASTERS}.safetensors")
             if cfg.learner.lora is not None:  # the base stays v0; the adapters are in the
@@ -99,12 +101,17 @@ class Learner:
             elif ckpt == self.version and store.exists(masters):  # narrower publish dtype
                 self.model.load_state_dict(st_load(store.get_bytes(masters)), strict=False)
             else:
-                self.model.load_state_dict(self.published, strict=False)
+                self.model.load_state_dict(published, strict=False)
             if ckpt is not None and critic is not None:
                 data = store.get_bytes(keys.learner_file(ckpt, f"{ranks.CRITIC}.safetensors"))
                 critic.load_state_dict(st_load(data))
         if self.version == 0:
-            self.published = publish_state(self.model, self.dtype)
+            published = publish_state(self.model, self.dtype)
+        if self.commits is None:  # forked (if at all) before the backend starts any thread
+            leader = os.environ.get("RANK", "0") == "0"
+            self.commits = commit_writes(store, keys, cfg.learner.commit_writer if leader
+                                         else "thread", state_bytes(published))
+        self.commits.base(self.version, published)  # what the next version's delta is against
         backend = build_backend(cfg.learner, self.model, critic=critic,
                                 critic_lr=cfg.algo.critic.lr if critic is not None else None)
         if self.version > 0:
@@ -132,11 +139,18 @@ class Learner:
             return self._lead()
         finally:
             self.buffer.close()
-            self.writer.close()
+            self.close_writes()
             # stop the followers, unless they are inside a collective this rank left by an
             # error: then this rank's exit ends the whole torchrun world
             if self.backend.world_size > 1 and not self.in_step:
                 ranks.end(self.backend)
+
+    def close_writes(self) -> None:
+        """Wait for the writes in flight (raising their error), then stop the writers."""
+        try:
+            self.writer.close()
+        finally:
+            self.commits.close()
 
     def _lead(self) -> int:
         ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
@@ -292,13 +306,11 @@ class Learner:
         commit = Commit(
             progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta),
             delta=delta, stepped=stepped, weights=weights, checkpoint=files,
-            previous=self.published, full_every=self.cfg.learner.publish.full_every,
+            full_every=self.cfg.learner.publish.full_every,
             buffered=None if self.cfg.inline_postprocess else self.buffer.counts(),
             beta=beta, threads=list(threads), restart=self.restart)
         self.restart = None
-        if weights is not None:
-            self.published = weights
-        self.writer.submit(commit.write, self.ctx.store, self.ctx.keys,
+        self.writer.submit(commit.write, self.commits, self.ctx.store, self.ctx.keys,
                            self.cfg.learner.keep_checkpoints, self.retention.collect)
 
     def follow(self) -> int:

@@ -168,7 +168,7 @@ class Replay:
             Done(steps=learner.version, counts=dict(learner.ledger.counts), time=time.time(),
                  staleness=dict(learner.ledger.staleness)).write(self.store, self.dst.done())
         finally:
-            learner.writer.close()
+            learner.close_writes()
             ctx.metrics.flush()
         if self.verify:
             self.check.write(self.store, self.dst.replay_check())

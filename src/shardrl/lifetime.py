@@ -1,0 +1,32 @@
+"""Child processes that must not outlive their parent (Linux: the kernel kills them)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A function for a new child to call first (a `preexec_fn`, or right after `fork`) that
+    has the kernel SIGKILL it when the calling process dies; None elsewhere than Linux.
+
+    Made in the parent: it remembers the parent's pid, so a child whose parent died before
+    the call exits at once. A SIGKILLed runner then leaves no stage behind to race the stages
+    of `--resume`, and a crashed learner no commit writer to race its restart."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call above
+            os._exit(1)
+
+    return hook

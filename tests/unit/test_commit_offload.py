@@ -1,0 +1,209 @@
+"""A commit's writes in the child process: the same objects as written in this process,
+errors back as themselves, and a child that never outlives its learner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from shardrl.models.io import load_state_dict_from_safetensors
+from shardrl.stages.learn.offload import (
+    PROCESS_MAX_BYTES,
+    CommitProcess,
+    Point,
+    Publish,
+    Put,
+    Writes,
+    commit_writes,
+)
+from shardrl.stages.policy import fetch_weights
+from shardrl.store import LocalStore, RunKeys, StoreUnavailable
+from shardrl.store.records import Progress
+
+KEYS = RunKeys("r1")
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def states(n: int) -> list[dict[str, torch.Tensor]]:
+    """n successive weight states: a float32 and a bfloat16 tensor that change a little each
+    version (some elements only, so deltas are sparse), and an integer buffer."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 16, generator=gen)
+    b = torch.randn(300, generator=gen).to(torch.bfloat16)
+    out = []
+    for v in range(n):
+        w = w.clone()
+        w[v % 64] += 0.5
+        b = b.clone()
+        b[: 10 * (v + 1)] = v
+        out.append({"w": w, "b": b, "ids": torch.arange(5)})
+    return out
+
+
+def commits(weights: list[dict[str, torch.Tensor]]) -> list[list]:
+    """The writes of versions 0.. of `weights` as the snapshot and the learner make them
+    (full every 3)."""
+    return [[Publish(0, weights[0], 3)]] + [
+        [Publish(v, weights[v], 3),
+         Put(KEYS.progress(), Progress(version=v, commits=v, time=float(v))), Point(v)]
+        for v in range(1, len(weights))]
+
+
+def store_files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_the_child_writes_the_same_objects_as_this_process(tmp_path):
+    weights = states(6)
+    here, there = LocalStore(tmp_path / "here"), LocalStore(tmp_path / "there")
+    child = CommitProcess(there, KEYS)
+    try:
+        inline = Writes(here, KEYS)
+        for writes in commits(weights):
+            inline.run(writes)
+            child.run(writes)
+    finally:
+        child.close()
+    assert child.process.exitcode == 0
+    a, b = store_files(tmp_path / "here"), store_files(tmp_path / "there")
+    assert sorted(a) == sorted(b)
+    assert any(k.endswith("delta.safetensors") for k in a)
+    assert any(k.endswith("model.safetensors") for k in a)  # v3: full
+    for key in a:
+        if key.endswith(".safetensors") or key.endswith("progress.json"):
+            assert a[key] == b[key], key  # bit for bit (the others hold a write time)
+    for v in range(1, 6):
+        got = fetch_weights(there, KEYS, v)
+        assert all(torch.equal(got[k], weights[v][k]) for k in weights[v])
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_delta_is_taken_against_the_last_publish_or_the_base(tmp_path, where):
+    """The writer keeps the last version it published; a learner that resumed elsewhere
+    gives it that version's weights as its base (sent to the child with the next list)."""
+    weights = states(5)
+    store = LocalStore(tmp_path)
+    out = commit_writes(store, KEYS, where, state_bytes=0)
+    try:
+        for writes in commits(weights)[:2]:
+            out.run(writes)
+        with pytest.raises(ValueError, match="is a delta"):  # v2 missing: no base for v3
+            out.run([Publish(4, weights[4], 3)])
+        out.base(3, weights[3])  # resumed at v3 (a full snapshot a restart would read)
+        out.run([Publish(4, weights[4], 3)])
+    finally:
+        out.close()
+    delta = store.get_bytes(KEYS.policy_file(4, "delta.safetensors"))
+    changed = load_state_dict_from_safetensors(delta)
+    # v4 against v3: row 4 of w and the first 50 of b changed, the integer buffer did not
+    assert sorted(changed) == ["index/b", "index/w", "value/b", "value/w"]
+    assert torch.equal(changed["value/w"], weights[4]["w"][4])
+
+
+class OutageStore(LocalStore):
+    """Every progress.json write fails as an outage would."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if key.endswith("progress.json"):
+            raise StoreUnavailable("the store is down")
+        super().put_bytes(key, data)
+
+
+def test_an_error_in_the_child_comes_back_as_itself_and_the_child_goes_on(tmp_path):
+    weights = states(3)
+    child = CommitProcess(OutageStore(tmp_path), KEYS)
+    try:
+        child.run(commits(weights)[0])
+        with pytest.raises(StoreUnavailable, match="the store is down") as raised:
+            child.run(commits(weights)[1])
+        assert any("in the commit writer process" in note for note in raised.value.__notes__)
+        # the weights before the failing record are in the store; the child still serves
+        assert fetch_weights(LocalStore(tmp_path), KEYS, 1)["w"].shape == (64, 16)
+        child.run([Point(1)])
+    finally:
+        child.close()
+
+
+def test_a_dead_child_fails_the_commit_in_flight(tmp_path):
+    child = CommitProcess(LocalStore(tmp_path), KEYS)
+    try:
+        os.kill(child.process.pid, signal.SIGKILL)
+        child.process.join(10)
+        with pytest.raises(RuntimeError, match="commit writer process exited"):
+            child.run(commits(states(2))[1])
+    finally:
+        child.close()
+
+
+def test_the_child_dies_with_its_learner(tmp_path):
+    """A SIGKILLed learner leaves no writer behind to land a commit after its restart."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from shardrl.stages.learn.offload import CommitProcess
+        from shardrl.store import LocalStore, RunKeys
+        child = CommitProcess(LocalStore({str(tmp_path)!r}), RunKeys("r1"))
+        print(child.process.pid, flush=True)
+        time.sleep(60)
+    """)
+    learner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(learner.stdout.readline())
+        os.kill(pid, 0)  # the writer runs
+        learner.kill()
+        learner.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the commit writer outlived the learner")
+    finally:
+        learner.kill()
+
+
+def test_the_child_runs_torch_after_the_learner_used_an_openmp_pool(tmp_path):
+    """Forked after the learner's own 2-thread work (its OpenMP pool made), the child still
+    takes deltas of tensors above torch's grain size (it stays on one thread)."""
+    script = textwrap.dedent(f"""
+        import torch
+        from shardrl.stages.learn.offload import CommitProcess, Publish
+        from shardrl.store import LocalStore, RunKeys
+        torch.set_num_threads(2)
+        a = torch.randn(2_000_000)
+        (a * 2).sum()  # parallel: the pool exists now
+        child = CommitProcess(LocalStore({str(tmp_path)!r}), RunKeys("r1"))
+        child.run([Publish(0, {{"w": a}}, 2)])
+        child.run([Publish(1, {{"w": a + 1}}, 2)])
+        child.close()
+        print("ok", child.process.exitcode)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["ok", "0"], res.stderr[-2000:]
+    assert LocalStore(tmp_path).exists(KEYS.policy_file(1, "delta.safetensors"))
+
+
+def test_auto_keeps_large_models_on_the_thread(tmp_path):
+    store = LocalStore(tmp_path)
+    small = commit_writes(store, KEYS, "auto", PROCESS_MAX_BYTES)
+    large = commit_writes(store, KEYS, "auto", PROCESS_MAX_BYTES + 1)
+    forced = commit_writes(store, KEYS, "process", PROCESS_MAX_BYTES + 1)
+    try:
+        assert isinstance(small, CommitProcess) and isinstance(forced, CommitProcess)
+        assert type(large) is Writes
+        assert type(commit_writes(store, KEYS, "thread", 0)) is Writes
+    finally:
+        for out in (small, large, forced):
+            out.close()
