@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -409,3 +410,24 @@ def test_a_large_streamed_object_is_sent_in_parts(seaweed, bucket, tmp_path, mon
     store.put_file("small", small)  # one PUT: the plain MD5 as ETag
     etag = seaweed.client().stat_object(bucket, f"{store.prefix}small").etag
     assert etag.strip('"') == hashlib.md5(b"x" * 1000).hexdigest()
+
+
+def test_a_forked_child_writes_through_its_reopened_store(store):
+    """A child process (the learner's commit writer) uses `reopened()`: no connection of the
+    parent's, so both go on writing."""
+    store.put_bytes("fork/before", b"parent")  # the parent's pool has a connection now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            child = store.reopened()
+            child.put_bytes("fork/child", child.get_bytes("fork/before") + b"+child")
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get_bytes("fork/child") == b"parent+child"
+    store.put_bytes("fork/after", b"parent again")
+    assert store.list("fork/") == ["fork/after", "fork/before", "fork/child"]
+    assert (store.reopened() is store) == isinstance(store, LocalStore)

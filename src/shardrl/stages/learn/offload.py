@@ -31,6 +31,7 @@ when the learner closes it or its end of the pipe.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import pickle
 import signal
@@ -136,6 +137,9 @@ def _serve(conn, parent_end, store: Store, keys: RunKeys, die) -> None:
         die()
     parent_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when this ends
+    # an outage is the learner's, whose own store calls log its start and end once; the
+    # error that ends one (StoreUnavailable) comes back to it from here as well
+    logging.getLogger("shardrl.store").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     writes = Writes(store.reopened(), keys)
     while True:
