@@ -83,7 +83,7 @@ def test_once_rounds_carry_the_optimizer_state_exactly(tmp_path, monkeypatch):
             run_round(chained, cfg, run_id, "learn")  # a new learner each round
             assert learner._lead() == 0
             learner.writer.wait()
-        learner.writer.close()
+        learner.close_writes()
 
     # every round committed what it brought, once: none waited for a full batch of kept
     # groups. Every round made one version; a round whose groups were all filtered made it

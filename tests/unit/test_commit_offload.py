@@ -22,6 +22,7 @@ from shardrl.stages.learn.offload import (
     Put,
     Writes,
     commit_writes,
+    settle,
 )
 from shardrl.stages.policy import fetch_weights
 from shardrl.store import LocalStore, RunKeys, StoreUnavailable
@@ -92,7 +93,7 @@ def test_a_delta_is_taken_against_the_last_publish_or_the_base(tmp_path, where):
     gives it that version's weights as its base (sent to the child with the next list)."""
     weights = states(5)
     store = LocalStore(tmp_path)
-    out = commit_writes(store, KEYS, where, state_bytes=0)
+    out = commit_writes(store, KEYS, where)
     try:
         for writes in commits(weights)[:2]:
             out.run(writes)
@@ -144,33 +145,76 @@ def test_a_dead_child_fails_the_commit_in_flight(tmp_path):
         child.close()
 
 
-def test_the_child_dies_with_its_learner(tmp_path):
-    """A SIGKILLed learner leaves no writer behind to land a commit after its restart."""
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_child_dies_with_its_learner_even_in_the_middle_of_a_write(tmp_path):
+    """A SIGKILLed learner leaves no writer behind to land its commit after a restart: the
+    child, blocked in a write the learner asked for, is killed and the write never lands."""
     script = textwrap.dedent(f"""
-        import sys, time
-        from shardrl.stages.learn.offload import CommitProcess
+        import os, threading, time
+        from shardrl.stages.learn.offload import CommitProcess, Put
         from shardrl.store import LocalStore, RunKeys
-        child = CommitProcess(LocalStore({str(tmp_path)!r}), RunKeys("r1"))
+        from shardrl.store.records import Progress
+
+        class SlowStore(LocalStore):
+            def put_bytes(self, key, data):
+                open(os.path.join({str(tmp_path)!r}, "writing"), "w").close()
+                time.sleep(30)
+                super().put_bytes(key, data)
+
+        keys = RunKeys("r1")
+        child = CommitProcess(SlowStore({str(tmp_path / "store")!r}), keys)
         print(child.process.pid, flush=True)
-        time.sleep(60)
+        child.run([Put(keys.progress(), Progress(version=1))])  # blocks for 30 s
     """)
     learner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(learner.stdout.readline())
-        os.kill(pid, 0)  # the writer runs
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "writing").exists():  # the child is inside the write
+            assert time.monotonic() < deadline and learner.poll() is None
+            time.sleep(0.05)
+        assert alive(pid)
         learner.kill()
         learner.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        while alive(pid):
+            assert time.monotonic() < deadline, "the commit writer outlived the learner"
             time.sleep(0.05)
-        else:
-            pytest.fail("the commit writer outlived the learner")
+        assert not LocalStore(tmp_path / "store").exists(KEYS.progress())
     finally:
         learner.kill()
+
+
+def test_a_request_cut_short_never_reaches_the_store(tmp_path):
+    """A request whose sending fails part-way stops the child, which never takes what it
+    got for a whole request; the writer refuses further work."""
+    store = LocalStore(tmp_path)
+    child = CommitProcess(store, KEYS)
+    weights = states(2)
+
+    class Unsendable(dict):  # the second tensor of the state cannot be sent
+        def values(self):
+            first, second = list(super().values())[:2]
+            yield first
+            raise MemoryError("cannot send")
+
+    try:
+        with pytest.raises(MemoryError):
+            child.run([Publish(0, Unsendable(weights[0]), 3), Point(0)])
+        assert child.broken and child.process.exitcode is not None
+        with pytest.raises(RuntimeError, match="stopped by an earlier failure"):
+            child.run([Point(0)])
+    finally:
+        child.close()
+    assert store.list("") == []
 
 
 def test_the_child_runs_torch_after_the_learner_used_an_openmp_pool(tmp_path):
@@ -197,13 +241,15 @@ def test_the_child_runs_torch_after_the_learner_used_an_openmp_pool(tmp_path):
 
 def test_auto_keeps_large_models_on_the_thread(tmp_path):
     store = LocalStore(tmp_path)
-    small = commit_writes(store, KEYS, "auto", PROCESS_MAX_BYTES)
-    large = commit_writes(store, KEYS, "auto", PROCESS_MAX_BYTES + 1)
-    forced = commit_writes(store, KEYS, "process", PROCESS_MAX_BYTES + 1)
+    small = settle(commit_writes(store, KEYS, "auto"), "auto", PROCESS_MAX_BYTES)
+    large = commit_writes(store, KEYS, "auto")
+    child = large.process
+    large = settle(large, "auto", PROCESS_MAX_BYTES + 1)
+    forced = settle(commit_writes(store, KEYS, "process"), "process", PROCESS_MAX_BYTES + 1)
     try:
         assert isinstance(small, CommitProcess) and isinstance(forced, CommitProcess)
-        assert type(large) is Writes
-        assert type(commit_writes(store, KEYS, "thread", 0)) is Writes
+        assert type(large) is Writes and child.exitcode == 0  # the child was stopped
+        assert type(commit_writes(store, KEYS, "thread")) is Writes
     finally:
         for out in (small, large, forced):
             out.close()

@@ -174,7 +174,7 @@ def test_a_commit_that_fails_before_its_checkpoint_returns_the_loan(tmp_path, wh
     commit = Commit(progress=Progress(version=3, commits=3), delta=[], stepped=True,
                     weights={"w": torch.zeros(2)}, full_every=10,
                     checkpoint=files)
-    out = commit_writes(store, keys, where, state_bytes=0)
+    out = commit_writes(store, keys, where)
     try:
         with pytest.raises(ValueError, match="is a delta"):
             commit.write(out, store, keys, 2, lambda version: None)

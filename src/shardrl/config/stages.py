@@ -185,10 +185,10 @@ class LearnerConfig(Section):
     """Published weights: dtype, deltas and full snapshots."""
     commit_writer: Literal["auto", "process", "thread"] = "auto"
     """Where a commit's weights delta and records are serialized and written, off the step's
-    path either way: `process`, a child process forked when the learner has loaded its model
-    (Linux; its own interpreter, so that Python work no longer slows the next update down;
-    it keeps a copy of the last published weights); `thread`, the learner's writer thread;
-    `auto`, the process while a published version is at most 64 MiB, the thread beyond."""
+    path either way: `process`, a child process forked when the learner starts (Linux; its
+    own interpreter, so that Python work no longer slows the next update down; it keeps a
+    copy of the last published weights); `thread`, the learner's writer thread; `auto`, the
+    process while a published version is at most 64 MiB, the thread beyond."""
     micro_batch: int | None = Field(None, ge=1, le=1_000_000)
     """Samples per forward and backward pass: the gradients of a step's micro-batches add
     up to the gradient of the whole batch's loss (every aggregation normalizes over the

@@ -28,14 +28,25 @@ from ..update import compute_loss, micro_losses
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
-from .offload import CommitProcess, Writes, commit_writes
+from .offload import CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
 
 
 class Learner:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
-        cfg, store, keys = ctx.cfg, ctx.store, ctx.keys
+        # forked first, before the model loads or a thread starts (see `offload`); the leader's
+        where = ctx.cfg.learner.commit_writer if os.environ.get("RANK", "0") == "0" else "thread"
+        self.commits: Writes | CommitProcess = commit_writes(ctx.store, ctx.keys, where)
+        """What runs the commits' writes."""
+        try:
+            self._start()
+        except BaseException:
+            self.commits.close()
+            raise
+
+    def _start(self) -> None:
+        ctx, cfg, store, keys = self.ctx, self.cfg, self.ctx.store, self.ctx.keys
         published = store.watch(keys.root + "policy/", depth=0)
         while ctx.latest_version() is None:
             published.wait(cfg.learner.poll_interval_s)
@@ -64,8 +75,6 @@ class Learner:
         """Torch threads of the last update's forward and backward (see `LedgerDelta`)."""
         self.dtype = publish_dtype(cfg)
         """Dtype of the published versions."""
-        self.commits: Writes | CommitProcess | None = None
-        """What runs the commits' writes (made by `_resume_backend`)."""
         self.backend = self._resume_backend()
         self.leader = self.backend.rank == 0
         self.in_step = False
@@ -107,10 +116,7 @@ class Learner:
                 critic.load_state_dict(st_load(data))
         if self.version == 0:
             published = publish_state(self.model, self.dtype)
-        if self.commits is None:  # forked (if at all) before the backend starts any thread
-            leader = os.environ.get("RANK", "0") == "0"
-            self.commits = commit_writes(store, keys, cfg.learner.commit_writer if leader
-                                         else "thread", state_bytes(published))
+        self.commits = settle(self.commits, cfg.learner.commit_writer, state_bytes(published))
         self.commits.base(self.version, published)  # what the next version's delta is against
         backend = build_backend(cfg.learner, self.model, critic=critic,
                                 critic_lr=cfg.algo.critic.lr if critic is not None else None)
@@ -138,8 +144,10 @@ class Learner:
         try:
             return self._lead()
         finally:
-            self.buffer.close()
-            self.close_writes()
+            try:
+                self.buffer.close()
+            finally:
+                self.close_writes()
             # stop the followers, unless they are inside a collective this rank left by an
             # error: then this rank's exit ends the whole torchrun world
             if self.backend.world_size > 1 and not self.in_step:

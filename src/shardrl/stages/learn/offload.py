@@ -9,12 +9,13 @@ safetensors header, the sha256 of small files, pydantic and json for each record
 writer thread they hold up the next update, whose forward pass needs that lock between its
 operators, however many cores are idle: at the demo's size a step took about 42 ms with the
 writes on the thread, 39 ms with them in a child process, 35.5 ms for the same update with
-no store at all. `CommitProcess` is that child, forked when the learner has loaded its model
+no store at all. `CommitProcess` is that child, forked when the learner starts
 (`learner.commit_writer`): the writer thread sends it each list (tensors as raw bytes over a
 pipe, the lock released while they are written) and waits for the answer.
 
-It is forked before the learner's backend and threads start, and runs torch on one thread
-(so it never enters an OpenMP parallel region, which a fork can leave unusable). `auto`
+It is forked before the learner loads its model or starts a thread, so it shares none of the
+model's pages, and runs torch on one thread (so it never enters an OpenMP parallel region,
+which a fork can leave unusable). `auto`
 keeps models whose published weights pass 64 MiB on the thread: the child would hold a
 copy of them, and the Python work it saves does not grow with the model.
 
@@ -126,7 +127,8 @@ def _receive_state(conn, specs: list[_Spec]) -> State:
     for name, dtype, shape in specs:
         dt = getattr(torch, dtype)
         raw = torch.empty(torch.Size(shape).numel() * dt.itemsize, dtype=torch.uint8)
-        conn.recv_bytes_into(raw.numpy())
+        if conn.recv_bytes_into(raw.numpy()) != raw.numel():  # never publish a torn tensor
+            raise EOFError(f"tensor {name!r}: the learner's message ended early")
         state[name] = raw.view(dt).reshape(shape)
     return state
 
@@ -179,6 +181,7 @@ class CommitProcess:
     """Runs lists of writes in a child process (see the module docstring)."""
 
     def __init__(self, store: Store, keys: RunKeys) -> None:
+        self.store, self.keys = store, keys
         context = multiprocessing.get_context("fork")
         self.conn, child_end = context.Pipe()
         self.process = context.Process(
@@ -188,6 +191,8 @@ class CommitProcess:
         child_end.close()
         self.pending: tuple[int, State] | None = None
         """A base not yet sent: it goes with the next list, so only the child keeps it."""
+        self.broken = False
+        """A request failed part-way: the child was stopped."""
 
     def base(self, version: int, state: State) -> None:
         """`state` is the published weights of `version` (see `Writes.base`)."""
@@ -205,26 +210,35 @@ class CommitProcess:
                 payload.append(w.weights)
             else:
                 message.append(("write", w))
+        if self.broken:
+            raise RuntimeError("the commit writer process was stopped by an earlier failure")
         try:
             self.conn.send(message)
             for state in payload:
                 _send_state(self.conn, state)
             self.pending = None
             status, error, text = self.conn.recv()
-        except (EOFError, OSError) as e:
-            self.process.join(timeout=1.0)
-            raise RuntimeError(f"the commit writer process exited (code "
-                               f"{self.process.exitcode}) with a commit in flight") from e
+        except BaseException as e:
+            # the pipe may hold half a request, which the child must never take for a whole
+            # one: it is stopped, and this writer with it
+            self.broken = True
+            self.process.kill()
+            self.process.join()
+            if isinstance(e, (EOFError, OSError)):
+                raise RuntimeError(f"the commit writer process exited (code "
+                                   f"{self.process.exitcode}) with a commit in flight") from e
+            raise
         if status != "ok":
             error.add_note(f"in the commit writer process:\n{text}")
             raise error
 
     def close(self) -> None:
         """Stop the child (after the writes in flight, which the writer thread waited for)."""
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass  # it is gone already
+        if not self.broken:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass  # it is gone already
         self.process.join(timeout=10.0)
         if self.process.exitcode is None:
             self.process.kill()
@@ -238,13 +252,21 @@ copy of it, and the Python work it saves the update (about 3 ms a commit) does n
 the model while the update does: past this size the thread costs less."""
 
 
-def commit_writes(store: Store, keys: RunKeys, where: str, state_bytes: int,
-                  ) -> Writes | CommitProcess:
-    """What runs a learner's commit writes: `where` is `learner.commit_writer`, `state_bytes`
-    the size of a published version. A child process only on Linux (which kills it with the
-    learner); elsewhere, and for `thread`, this process."""
+def commit_writes(store: Store, keys: RunKeys, where: str) -> Writes | CommitProcess:
+    """What runs a learner's commit writes: `where` is `learner.commit_writer`. A child
+    process (for `auto` too, until `settle` has seen the model's size) only on Linux, which
+    kills it with the learner; elsewhere, and for `thread`, this process. Made before the
+    learner loads anything, so the child shares none of the model's pages."""
     if not sys.platform.startswith("linux") or where == "thread":
         return Writes(store, keys)
-    if where == "auto" and state_bytes > PROCESS_MAX_BYTES:
-        return Writes(store, keys)
     return CommitProcess(store, keys)
+
+
+def settle(out: Writes | CommitProcess, where: str, state_bytes: int,
+           ) -> Writes | CommitProcess:
+    """`out`, or this process's `Writes` in its place when `where` is `auto` and a published
+    version takes `state_bytes` > `PROCESS_MAX_BYTES` (the child is stopped)."""
+    if isinstance(out, CommitProcess) and where == "auto" and state_bytes > PROCESS_MAX_BYTES:
+        out.close()
+        return Writes(out.store, out.keys)
+    return out
