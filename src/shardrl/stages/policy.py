@@ -94,24 +94,31 @@ def publish_weights(store: Store, keys: RunKeys, version: int, state: dict[str, 
     dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
     start = full_base(version, full_every)
     digests, written = {}, 0
-    if prev is not None:  # streamed and hashed as written, as the full snapshot below
-        with store.writer(keys.policy_file(version, DELTA)) as out:
-            hashed = _Hashed(out)
-            written = write_safetensors(hashed, encode_delta(prev, state),
-                                        metadata={"base": str(version - 1)})
-        digests[DELTA] = hashed.sha.hexdigest()
+    if prev is not None:
+        digests[DELTA], written = _put_tensors(store, keys.policy_file(version, DELTA),
+                                               encode_delta(prev, state),
+                                               {"base": str(version - 1)})
     elif start != version:
         raise ValueError(f"policy v{version} is a delta: it needs the state of v{version - 1}")
-    if start == version:  # streamed and hashed as written: no second copy of the weights
-        with store.writer(keys.policy_file(version, WEIGHTS)) as out:
-            hashed = _Hashed(out)
-            written += write_safetensors(hashed, state, metadata={"format": "pt"})
-        digests[WEIGHTS] = hashed.sha.hexdigest()
+    if start == version:
+        digests[WEIGHTS], size = _put_tensors(store, keys.policy_file(version, WEIGHTS), state,
+                                              {"format": "pt"})
+        written += size
     store.put_json(keys.policy_file(version, MANIFEST),
                    {"files": digests, "base": 0,
                     "time": time.time(), "kind": "full" if start == version else "delta",
                     "full": start, "every": full_every, "dtype": ",".join(sorted(dtypes))})
     return written
+
+
+def _put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str]) -> tuple[str, int]:
+    """Write `tensors` at `key` as safetensors, streamed and hashed as written (no serialized
+    copy in memory); (sha256, bytes)."""
+    with store.writer(key) as out:
+        hashed = _Hashed(out)
+        written = write_safetensors(hashed, tensors, metadata=metadata)
+    return hashed.sha.hexdigest(), written
 
 
 class _Hashed:
