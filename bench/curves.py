@@ -84,6 +84,44 @@ def time_to_target(reference: Curve, *others: Curve,
             "crossing": crossing}
 
 
+def value_at(curve: Curve, seconds: float) -> float:
+    """pass@1 at `seconds` read off the straight lines between evaluations; the first point's
+    value before it, the last point's after it."""
+    if seconds <= curve[0][0]:
+        return curve[0][1]
+    for (t0, p0), (t1, p1) in pairwise(curve):
+        if seconds <= t1:
+            return p0 if t1 == t0 else p0 + (p1 - p0) * (seconds - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
+def gain_curve(curve: Curve, v0: float, best: float) -> Curve:
+    """`curve` as the share of a reference's gain, (pass@1 - v0) / (best - v0)."""
+    if best <= v0:
+        raise ValueError(f"no gain to measure against: best {best} <= v0 {v0}")
+    return [(t, (p - v0) / (best - v0)) for t, p in curve]
+
+
+def mean_curve(curves: Sequence[Curve]) -> Curve:
+    """The pointwise mean of piecewise-linear curves, exact at the union of their points
+    (between two of those times every curve is linear, so their mean is too)."""
+    times = sorted({t for c in curves for t, _ in c})
+    return [(t, sum(value_at(c, t) for c in curves) / len(curves)) for t in times]
+
+
+def pooled_time_to_gain(curves: Sequence[Curve], refs: Sequence[tuple[float, float]],
+                        fraction: float = TARGET_FRACTION) -> float | None:
+    """When the mean over repeats of the gain curves (`curves[i]` measured against its
+    repeat's reference `(v0, best)` = `refs[i]`) first reaches `fraction`, interpolated.
+
+    A seed's own first crossing hangs on one noisy evaluation near the target (256 samples
+    give pass@1 a standard error of about 0.02, and a policy may dip below the target for a
+    few versions): averaging the curves first leaves that noise to the mean of all repeats.
+    """
+    gains = [gain_curve(c, v0, best) for c, (v0, best) in zip(curves, refs, strict=True)]
+    return time_to_reach_interpolated(mean_curve(gains), fraction)
+
+
 def binomial_se(p: float, n: int) -> float:
     """Standard error of a pass rate `p` measured on `n` independent samples,
     sqrt(p (1 - p) / n)."""

@@ -9,7 +9,9 @@ imports, model load, reading the whole backlog; `exit_s` after); `ratio_steady` 
 end of the first step on both sides, leaving one-time costs out. The bare loop loads the
 same v0 weights and makes the same batches in the same order (from the stage's ledger) with
 `compute_loss`, backward, gradient clipping and AdamW, and no store; its final weights must
-equal the stage's last published version (`max_weight_diff`).
+equal the stage's last published version (`max_weight_diff`). Like the stage, it runs in a
+fresh process each repeat (`--bare-learn`), so both sides start cold: torch's lazy set-up
+and the allocator's heap are not left warm by an earlier repeat on one side only.
 
 Rollout: `shardrl stage rollout` generates `shards` shards from policy v0 (nothing consumes
 them: the backlog bound is `shards`, then the bench writes DONE.json). Its steady state runs
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import shutil
 import statistics
@@ -230,6 +233,41 @@ def learn_bare(cfg, folder: Path, tables: list[pa.Table]) -> dict:
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def learn_bare_process(config: Path, folder: Path, tables: list[pa.Table], work: Path) -> dict:
+    """`learn_bare` in a fresh process with the stage's environment (one thread), started
+    cold as the stage is: its tables go through Parquet files, its final weights come back
+    as safetensors."""
+    from safetensors.torch import load_file
+
+    inputs = work / "bare-learn"
+    shutil.rmtree(inputs, ignore_errors=True)
+    inputs.mkdir(parents=True)
+    for i, table in enumerate(tables):
+        pq.write_table(table, inputs / f"step-{i:04d}.parquet")
+    cmd = [sys.executable, "-m", "bench.overhead_bench", "--bare-learn", str(config),
+           str(folder), str(inputs)]
+    with open(work / "bare-learn.log", "w") as log:
+        subprocess.run(cmd, env=stage_env(), check=True, stdout=log, stderr=subprocess.STDOUT,
+                       cwd=Path(__file__).resolve().parent.parent)
+    out = json.loads((inputs / "result.json").read_text())
+    out["weights"] = load_file(inputs / "weights.safetensors")
+    shutil.rmtree(inputs)
+    return out
+
+
+def bare_learn_main(config: Path, folder: Path, inputs: Path) -> None:
+    """The child side of `learn_bare_process`."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    tables = [pq.read_table(p) for p in sorted(inputs.glob("step-*.parquet"))]
+    out = learn_bare(load_config(str(config)), folder, tables)
+    save_file({k: v.contiguous() for k, v in out.pop("weights").items()},
+              inputs / "weights.safetensors")
+    (inputs / "result.json").write_text(json.dumps(out))
+
+
 def max_weight_diff(bare: dict, store_dir: Path, version: int) -> float:
     """Largest |bare - stage| over the weights of the stage's published `version`."""
     from shardrl.stages.policy import fetch_weights
@@ -357,7 +395,7 @@ def measure(scale: str, prepared: tuple[Path, Path, Path], shards: int, work: Pa
     store = LocalStore(str(backlog))
     tables = [pa.concat_tables([read_shard(store, k, READY) for k in keys])
               for keys in stage.pop("batches")]
-    bare = learn_bare(cfg, folder, tables)
+    bare = learn_bare_process(config, folder, tables, work)
     store_dir = stage.pop("store")
     diff = max_weight_diff(bare.pop("weights"), store_dir, len(tables))
     shutil.rmtree(store_dir)
@@ -387,7 +425,12 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs=2, default=(40, 12), metavar=("DEMO", "LARGE"),
                         help="rollout shards at the demo scale and the large one")
     parser.add_argument("--scales", nargs="+", default=list(SCALES), choices=list(SCALES))
+    parser.add_argument("--bare-learn", nargs=3, type=Path, metavar=("CONFIG", "FOLDER", "INPUTS"),
+                        help=argparse.SUPPRESS)  # the fresh process of `learn_bare_process`
     args = parser.parse_args()
+    if args.bare_learn:
+        bare_learn_main(*args.bare_learn)
+        return
     import torch
 
     torch.set_num_threads(1)  # the stages' threads (learner.threads, rollout.threads)

@@ -121,6 +121,12 @@ def _trl(r: dict) -> Iterator[Row]:
         yield ("trl", "the same, each crossing read between its evaluations (linear)",
                "<= 1.0 (aim 0.5)", _spread(r["target_time_ratio_interpolated"],
                                            none="never reached"))
+    if "pooled" in r:
+        p = r["pooled"]["vs_trl"]
+        yield ("trl", f"the same on the mean of the {p['repeats']} repeats' gain curves (each "
+               f"repeat's share of its TRL run's gain): ShardRL {_num(p['shardrl'], suffix=' s')}"
+               f", TRL {_num(p['trl'], suffix=' s')}", "<= 1.0 (aim 0.5)",
+               _num(r["pooled"]["target_time_ratio"], none="never reached"))
     yield ("trl", "ShardRL time to TRL's final pass@1 / TRL wall clock", "<= 0.5",
            _spread(r["time_ratio"], none="never reached"))
     yield ("trl", "pass@1 ShardRL - TRL at TRL's final time", ">= 0",
@@ -144,6 +150,13 @@ def _trl(r: dict) -> Iterator[Row]:
             yield ("trl/sync", "the same, each crossing read between its evaluations (linear)",
                    ">= 1.25x", _spread(vs["time_speedup_interpolated"],
                                        none="ShardRL never reached", suffix="x"))
+        if "pooled" in r:
+            p = r["pooled"]["vs_sync"]
+            yield ("trl/sync", f"the same on the mean of the {p['repeats']} repeats' gain curves"
+                   f" (each repeat's share of its sync run's gain): sync "
+                   f"{_num(p['sync'], suffix=' s')}, ShardRL {_num(p['shardrl'], suffix=' s')}",
+                   ">= 1.25x", _num(r["pooled"]["sync_time_speedup"],
+                                    none="ShardRL never reached", suffix="x"))
         yield ("trl/sync", "steady-state samples/s ShardRL / sync (first to last new version)",
                "", _spread(vs["samples_per_s_ratio"], suffix="x"))
         yield ("trl/sync", "samples/s ShardRL / sync (whole runs, start-up included)", "",

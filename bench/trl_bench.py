@@ -44,6 +44,12 @@ Figures per repeat (each reported as median, min and max over repeats):
 - `vs_sync.time_speedup`: the same kind of target from the baseline's curve (v0 and best of
   the baseline); the baseline's time to it over ShardRL's (None when ShardRL never got there,
   counted as worse than any speedup).
+- `pooled`, over all repeats at once: each repeat's curves become shares of the reference
+  run's gain ((pass@1 - v0) / (best - v0), TRL or the baseline), the shares are averaged over
+  repeats, and each side's time to 0.7 is read off the mean curve (`target_time_ratio`:
+  ShardRL / TRL; `sync_time_speedup`: baseline / ShardRL). A repeat's own first crossing
+  hangs on one evaluation near the target, whose noise (about 0.02 at n = 256) and dips move
+  it by a whole evaluation interval; the mean curve leaves less of that noise.
 - `vs_sync.samples_per_s_ratio`: steady-state samples per second, ShardRL's over the
   baseline's, each = generated samples finished between its first and its last new policy
   version over the time between them (`bench.curves.steady_samples_per_s`; ShardRL: from the
@@ -97,6 +103,7 @@ from bench.curves import (
     machine_share,
     pass_at,
     percentile,
+    pooled_time_to_gain,
     ratio,
     spread,
     steady_busy_fraction,
@@ -541,6 +548,10 @@ def summarize(rows: list[dict]) -> dict:
                     for name in (f"{st}/{m}" for st, ms in PROFILE.items() for m in ms)},
         "idle_together": over(lambda r: r["shardrl"].get("idle_together")),
     }
+    by_trl, by_sync = pooled(rows, "trl"), pooled(rows, "sync")
+    out["pooled"] = {"vs_trl": by_trl, "vs_sync": by_sync,
+                     "target_time_ratio": ratio(by_trl["shardrl"], by_trl["trl"]),
+                     "sync_time_speedup": ratio(by_sync["sync"], by_sync["shardrl"])}
     n = rows[0]["shardrl"].get("eval_samples")
     out["eval_samples"] = n
     for side in ("shardrl", "trl", "sync"):
@@ -548,6 +559,17 @@ def summarize(rows: list[dict]) -> dict:
         median = out[side]["final_pass"]["median"]
         out[side]["final_pass_se"] = None if n is None or median is None else binomial_se(median, n)
     return out
+
+
+def pooled(rows: list[dict], reference: str) -> dict:
+    """Each side's time to 70% of `reference`'s gain on the mean over repeats of the gain
+    curves (`curves.pooled_time_to_gain`; each repeat measured against its own reference
+    run's snapshot pass@1 and best), for the repeats whose reference gained at all."""
+    used = [r for r in rows if max(p for _, p in r[reference]["curve"]) > r[reference]["curve"][0][1]]
+    refs = [(r[reference]["curve"][0][1], max(p for _, p in r[reference]["curve"])) for r in used]
+    return {"repeats": len(used)} | {
+        side: pooled_time_to_gain([r[side]["curve"] for r in used], refs) if used else None
+        for side in ("shardrl", "trl", "sync")}
 
 
 def fmt(value: float | None, spec: str = ".2f", never: str = "never reached") -> str:

@@ -8,10 +8,13 @@ import math
 import pytest
 from bench.curves import (
     binomial_se,
+    gain_curve,
     idle_together,
     intersect,
     machine_share,
+    mean_curve,
     percentile,
+    pooled_time_to_gain,
     ratio,
     samples_between,
     spread,
@@ -21,6 +24,7 @@ from bench.curves import (
     time_to_reach_interpolated,
     time_to_target,
     union,
+    value_at,
 )
 from bench.run_all import _spread
 from bench.trl_bench import (
@@ -233,10 +237,10 @@ def _row(target_time_ratio: float | None, speedup: float | None, final: float) -
         "target_time_ratio": target_time_ratio, "target": 0.8,
         "vs_sync": {"time_speedup": speedup, "samples_per_s_ratio": 1.3,
                     "samples_per_s_ratio_whole_run": 1.4, "target": 0.7},
-        "shardrl": side | {"eval_samples": 256, "machine_share": None,
+        "shardrl": side | {"eval_samples": 256, "machine_share": None, "curve": SHARDRL,
                            "busy_fraction": {"rollout": 0.9, "learner": None},
                            "hop_s": {"p50": None, "p95": None, "n": 0}},
-        "trl": dict(side), "sync": dict(side),
+        "trl": side | {"curve": TRL}, "sync": side | {"curve": SYNC},
     }
 
 
@@ -252,6 +256,17 @@ def test_summarize_medians_never_reached_and_standard_errors():
     assert out["shardrl"]["final_pass_se"] == pytest.approx(math.sqrt(0.85 * 0.15 / 256))
     assert out["machine_share"]["median"] is None  # not recorded by the pipeline
     assert out["busy_fraction"]["rollout"]["median"] == 0.9
+    # pooled over three equal repeats: each repeat's own crossings. Sync's target 0.5 + 0.7 x
+    # 0.15 = 0.605: sync at 15 + 15 x 0.055 / 0.1 = 23.25 s, ShardRL at 10 + 10 x 0.005 / 0.2
+    # = 10.25 s. TRL's 0.5 + 0.7 x 0.25 = 0.675: TRL at 30 x 0.175 / 0.2 = 26.25 s, ShardRL at
+    # 10 + 10 x 0.075 / 0.2 = 13.75 s
+    p = out["pooled"]
+    assert p["vs_sync"]["repeats"] == 3
+    assert p["vs_sync"]["sync"] == pytest.approx(23.25)
+    assert p["vs_sync"]["shardrl"] == pytest.approx(10.25)
+    assert p["sync_time_speedup"] == pytest.approx(23.25 / 10.25)
+    assert p["vs_trl"]["trl"] == pytest.approx(26.25)
+    assert p["target_time_ratio"] == pytest.approx(13.75 / 26.25)
 
 
 def test_table_cell_of_a_spread():
@@ -301,3 +316,33 @@ def test_learner_waits_end_before_the_steps_read_update_and_commit():
               ("rollout/w01", "rollout/pause_s", 1, 1.0, 104.0),
               ("rollout/w00", "rollout/pause_s", 2, 0.5, 109.0)]
     assert sorted(rollout_pauses(pauses)) == [[(103.0, 104.0)], [(103.0, 105.0), (108.5, 109.0)]]
+
+
+def test_value_at_reads_between_evaluations_and_holds_the_ends():
+    curve = [(0.0, 0.5), (10.0, 0.6), (20.0, 0.8)]
+    assert value_at(curve, 5.0) == pytest.approx(0.55)
+    assert value_at(curve, 15.0) == pytest.approx(0.7)
+    assert value_at(curve, -1.0) == 0.5 and value_at(curve, 25.0) == 0.8
+
+
+def test_mean_curve_is_exact_at_the_union_of_the_points():
+    a = [(0.0, 0.0), (10.0, 1.0)]
+    b = [(0.0, 0.0), (5.0, 1.0), (10.0, 1.0)]
+    # at 5: a is half way (0.5), b is at 1: mean 0.75
+    assert mean_curve([a, b]) == [(0.0, 0.0), (5.0, 0.75), (10.0, 1.0)]
+
+
+def test_pooled_time_to_gain_averages_the_gain_curves_before_crossing():
+    seed1 = [(0.0, 0.5), (10.0, 0.9)]  # gain over (0.5, 0.9): 0 -> 1 in 10 s
+    seed2 = [(0.0, 0.6), (4.0, 1.0), (8.0, 1.0)]  # gain over (0.6, 1.0): 0 -> 1 in 4 s
+    assert gain_curve(seed2, 0.6, 1.0) == [(0.0, 0.0), (4.0, pytest.approx(1.0)), (8.0, pytest.approx(1.0))]
+    # mean gain at 4 s: (0.4 + 1) / 2 = 0.7; half of the gain is reached on the line from
+    # (0, 0) to (4, 0.7): 0.5 / 0.7 * 4 = 20/7 s (each seed alone: 5 s and 2 s)
+    t = pooled_time_to_gain([seed1, seed2], [(0.5, 0.9), (0.6, 1.0)], fraction=0.5)
+    assert t == pytest.approx(20 / 7)
+    assert pooled_time_to_gain([seed1, seed2], [(0.5, 0.9), (0.6, 1.0)], fraction=0.7) == \
+        pytest.approx(4.0)
+    # the mean never gets there
+    assert pooled_time_to_gain([seed1], [(0.5, 1.0)], fraction=0.9) is None
+    with pytest.raises(ValueError, match="no gain"):
+        gain_curve(seed1, 0.9, 0.9)

@@ -7,12 +7,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from bench.overhead_bench import (
     GROUP_SIZE,
     GROUPS,
     RESPONSE,
     WARMUP,
     config_text,
+    learn_bare,
+    learn_bare_process,
     learn_window,
     paired_median,
     ready_shard,
@@ -21,6 +24,8 @@ from bench.overhead_bench import (
 )
 
 from shardrl.config import load_config
+from shardrl.models.io import save_model
+from shardrl.models.tiny import build_tiny_model, train_tokenizer
 from shardrl.store.schemas import READY
 from shardrl.store.shards import conform
 
@@ -98,3 +103,34 @@ def test_config_is_the_demo_at_the_scale_without_sft(tmp_path: Path):
     # the rest is the demo's: B=16 groups of 8, 8 prompts per shard, 8 new tokens
     assert (cfg.learner.batch_prompts, cfg.rollout.group_size) == (16, GROUP_SIZE)
     assert (cfg.rollout.prompts_per_shard, cfg.rollout.max_new_tokens) == (GROUPS, RESPONSE)
+
+
+def test_bare_learner_in_a_fresh_process_makes_the_same_updates(tmp_path):
+    # the cold bare loop (its own process, as the stage is) must do exactly the in-process
+    # loop's work: same tokens, same final weights
+    config = tmp_path / "config.yaml"
+    config.write_text(config_text("demo", steps=2, shards=4))
+    cfg = load_config(str(config))
+    tokenizer = train_tokenizer(["abcdefghij0123456789"], tmp_path / "tok")
+    folder = tmp_path / "model"
+    save_model(build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                                intermediate_size=16, max_position_embeddings=32, seed=0),
+               tokenizer, folder)
+    rng = np.random.default_rng(0)
+    tables = [pa.concat_tables([ready_shard(2 * s + i, len(tokenizer), rng) for i in range(2)])
+              for s in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child's (and the stage's) count: equal reductions
+    try:
+        here = learn_bare(cfg, folder, tables)
+    finally:
+        torch.set_num_threads(threads)
+    there = learn_bare_process(config, folder, tables, tmp_path / "work")
+    assert there["tokens"] == here["tokens"] > 0
+    assert len(there["step_tokens_per_s"]) == 2
+    assert there["weights"].keys() == here["weights"].keys()
+    for name, value in here["weights"].items():
+        assert torch.equal(there["weights"][name], value), name
+    # the inputs it was handed are cleaned up; its log stays
+    assert not (tmp_path / "work" / "bare-learn").exists()
+    assert (tmp_path / "work" / "bare-learn.log").exists()
