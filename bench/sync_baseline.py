@@ -9,8 +9,10 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
 - generate: `HFEngine.generate` on the training prompt stream of rollout worker 0
   (`task.train_items(0, seq, rollout.prompts_per_shard)`, shard `seq` by shard), with the
   rollout's group size, temperature, top-p and response length; prompts too long for the
-  model's context are skipped as the rollout stage skips them. The shards one round needs
-  are sampled in one batched call (the rollout stage samples one shard per call).
+  model's context are skipped as the rollout stage skips them. Each call samples as many
+  shards as the kept groups the step still lacks need at the keep rate seen so far (one
+  shard's worth at first), so a step is mostly one batched call: one larger batch samples
+  faster per sample than several small ones, as the rollout workers' batches do.
 - verify: the score stage's reward (`build_reward`: the configured verifiers).
 - prepare: per shard, as the prepare stage does, `shape_rewards` (with the running reward
   moments when `algo.shaping.normalize`), the `group` advantage estimator with the
@@ -133,6 +135,9 @@ class SyncTrainer:
         """Shards in a row without a prompt that fits the context."""
         self.version = 0
         self.counts = {"generated": 0, "consumed": 0, "filtered": 0, "skipped_steps": 0}
+        self.groups = self.kept_groups = 0
+        """Prompt groups prepared so far, and those kept by filtering: the keep rate that
+        sizes each generation call."""
         self.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
 
     # -- one round of generation ----------------------------------------------------------
@@ -260,8 +265,11 @@ class SyncTrainer:
         b, per = self.cfg.learner.batch_prompts, self.cfg.rollout.prompts_per_shard
         ready, kept, total = [], set(), set()
         while len(kept) < b and len(total) < FILTERED_LIMIT * b:
-            # a shard adds at most `per` groups: this many never overshoot either condition
-            need = min(math.ceil((b - len(kept)) / per),
+            # the shards the missing kept groups need at the keep rate seen so far (1 before
+            # any: then a shard adds at most `per` kept groups and this never overshoots),
+            # in one call: one larger batch samples faster than several small ones
+            rate = self.kept_groups / self.groups if self.groups else 1.0
+            need = min(math.ceil((b - len(kept)) / (per * max(rate, 1.0 / per))),
                        math.ceil((FILTERED_LIMIT * b - len(total)) / per))
             shards = self.generate(need, clock, events)
             started = time.monotonic()
@@ -269,9 +277,12 @@ class SyncTrainer:
                 table = self.prepare(self.score(table))
                 ready.append(table)
                 ids = table.column("group_id").to_pylist()
+                mine = {g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True)
+                        if k}
+                self.groups += len(set(ids))
+                self.kept_groups += len(mine)
                 total.update(ids)
-                kept.update(g for g, k in zip(ids, table.column("keep").to_pylist(), strict=True)
-                            if k)
+                kept.update(mine)
             self.seconds["score_prepare"] += time.monotonic() - started
         return pa.concat_tables(ready)
 

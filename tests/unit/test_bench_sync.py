@@ -47,6 +47,7 @@ def sync_trainer(cfg) -> SyncTrainer:
     trainer.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
                                       min_samples=npr.min_samples)
     trainer.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
+    trainer.groups = trainer.kept_groups = 0
     return trainer
 
 
@@ -91,6 +92,29 @@ def test_batch_generates_until_the_learner_would_step():
     # 2 shards for 16 groups give 14 kept; 1 more shard for the last 2 gives 17: stop there
     assert calls == [2, 1]
     assert len(table) == 24 and sum(table.column("keep").to_pylist()) == 17
+
+
+def test_batch_sizes_its_calls_by_the_keep_rate_seen():
+    cfg = load_config("demo", ["rollout.prompts_per_shard=8"])  # batch_prompts 16
+    trainer = sync_trainer(cfg)
+    calls: list[int] = []
+
+    def generate(shards, clock, events):  # 2 of each shard's 8 groups are kept
+        calls.append(shards)
+        return [pa.table({"group_id": [f"g{len(calls)}-{s}-{i}" for i in range(8)],
+                          "keep": [i < 2 for i in range(8)]}) for s in range(shards)]
+
+    trainer.generate = generate
+    trainer.score = trainer.prepare = lambda table: table
+    first = trainer.batch(None, [])
+    # no history: 2 shards (at most 8 kept each); then 4 of 16 groups kept (rate 1/4), so
+    # the 12 missing kept groups need 12 / (8 x 1/4) = 6 shards in one call
+    assert calls == [2, 6]
+    assert sum(first.column("keep").to_pylist()) == 16
+    trainer.batch(None, [])
+    # the next step asks for all 16 / 2 = 8 shards at once
+    assert calls == [2, 6, 8]
+    assert (trainer.groups, trainer.kept_groups) == (128, 32)
 
 
 def test_unsupported_configs_are_refused():
