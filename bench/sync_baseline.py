@@ -354,6 +354,8 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
 
     interval = budget / max(eval_points, 1)
     curve = [(0.0, clock.paused(evaluate))]
+    curve_versions = [0]
+    """the version each point of `curve` measured"""
     started = clock.now()
     next_eval = interval
     events: list[tuple[float, float]] = []
@@ -367,12 +369,14 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
         at = clock.now()
         if at >= budget or at >= next_eval:
             curve.append((at, clock.paused(evaluate)))
+            curve_versions.append(trainer.version)
             while next_eval <= at:
                 next_eval += interval
         if at >= budget:
             break
     seconds = curve[-1][0]
-    return {"curve": curve, "seconds": seconds, "steps": trainer.version,
+    return {"curve": curve, "curve_versions": curve_versions, "seconds": seconds,
+            "steps": trainer.version,
             "samples": trainer.counts["generated"], **{k: v for k, v in trainer.counts.items()
                                                        if k != "generated"},
             "samples_per_s": trainer.counts["generated"] / seconds,
