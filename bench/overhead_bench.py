@@ -439,9 +439,9 @@ def main() -> None:
     started = time.monotonic()
     prepared = {s: setup(s, steps[s], shards[s]) for s in args.scales}
     runs: dict[str, dict[str, list[dict]]] = {s: {"learn": [], "rollout": []} for s in args.scales}
-    # one scale after the other: the bare loops run in this process, and a bare loop at the
-    # demo's size ran about 9% faster after one at the large size (its allocator's heap grown
-    # by the larger activations: fewer page faults per step), which no stage process is
+    # one scale after the other: the bare generate loop runs in this process, and a bare loop
+    # at the demo's size ran about 9% faster after one at the large size (its allocator's heap
+    # grown by the larger activations: fewer page faults per step), which no stage process is
     for scale in args.scales:
         for r in range(args.repeats):  # stage and bare alternate: drifting load hits both alike
             learn, rollout = measure(scale, prepared[scale], shards[scale], WORK / scale / f"r{r}")

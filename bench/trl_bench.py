@@ -565,8 +565,10 @@ def pooled(rows: list[dict], reference: str) -> dict:
     """Each side's time to 70% of `reference`'s gain on the mean over repeats of the gain
     curves (`curves.pooled_time_to_gain`; each repeat measured against its own reference
     run's snapshot pass@1 and best), for the repeats whose reference gained at all."""
-    used = [r for r in rows if max(p for _, p in r[reference]["curve"]) > r[reference]["curve"][0][1]]
-    refs = [(r[reference]["curve"][0][1], max(p for _, p in r[reference]["curve"])) for r in used]
+    gains = [(r, (r[reference]["curve"][0][1], max(p for _, p in r[reference]["curve"])))
+             for r in rows]
+    used = [r for r, (v0, best) in gains if best > v0]
+    refs = [(v0, best) for _, (v0, best) in gains if best > v0]
     return {"repeats": len(used)} | {
         side: pooled_time_to_gain([r[side]["curve"] for r in used], refs) if used else None
         for side in ("shardrl", "trl", "sync")}

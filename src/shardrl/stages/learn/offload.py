@@ -199,6 +199,8 @@ class CommitProcess:
         self.pending = (version, state)
 
     def run(self, writes: list[Write]) -> None:
+        if self.broken:
+            raise RuntimeError("the commit writer process was stopped by an earlier failure")
         message, payload = [], []
         if self.pending is not None:
             version, state = self.pending
@@ -210,8 +212,6 @@ class CommitProcess:
                 payload.append(w.weights)
             else:
                 message.append(("write", w))
-        if self.broken:
-            raise RuntimeError("the commit writer process was stopped by an earlier failure")
         try:
             self.conn.send(message)
             for state in payload:
