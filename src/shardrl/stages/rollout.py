@@ -110,6 +110,7 @@ def main(ctx: StageContext) -> int:
             if last is not None:
                 last.result()  # the previous batch is stored (or its error surfaces here)
             at = 0
+            latest = ctx.latest_version() or engine.version  # for the shards' version lag
             for seq, items in shards:
                 ids, grouped = prompt_ids[at:at + len(items)], groups[at:at + len(items)]
                 at += len(items)
@@ -127,8 +128,8 @@ def main(ctx: StageContext) -> int:
                     flow.wrote(len(items), None)
                     job = (_write_reserved, reserved, store, key, table)
                 last = writer.submit(*job)
-                _log_metrics(ctx, engine.version, table, seconds * len(items) / len(prompt_ids),
-                             flow)
+                _log_metrics(ctx, engine.version, latest, table,
+                             seconds * len(items) / len(prompt_ids), flow)
             flow.busy(time.monotonic() - started)
     finally:
         writer.shutdown()  # waits for the writes still queued
@@ -360,20 +361,22 @@ def _table(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list
             cols["answer"].append(item.answer)
             cols["category"].append(item.category)
             cols["created_at"].append(now)
+    table = pa.table(cols, schema=ROLLOUT)  # typed as written: no cast when the shard is encoded
     if ctx.cfg.task.environment is None:
-        return pa.table(cols)
-    return with_episode_columns(pa.table(cols), [s for samples in groups for s in samples])
+        return table
+    return with_episode_columns(table, [s for samples in groups for s in samples])
 
 
-def _log_metrics(ctx: StageContext, version: int, table: pa.Table, seconds: float,
-                 flow: Flow) -> None:
+def _log_metrics(ctx: StageContext, version: int, latest: int, table: pa.Table,
+                 seconds: float, flow: Flow) -> None:
+    """A shard's metrics; `latest` is the newest published version when it was generated."""
     lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy()  # (N,)
     truncated = pc.equal(table.column("finish_reason"), "length").to_numpy()     # (N,)
-    latest = ctx.latest_version() or version
+    p50, p90 = np.percentile(lengths, [50, 90])
     ctx.metrics.log(version, {
         "response_length_mean": float(lengths.mean()),
-        "response_length_p50": float(np.percentile(lengths, 50)),
-        "response_length_p90": float(np.percentile(lengths, 90)),
+        "response_length_p50": float(p50),
+        "response_length_p90": float(p90),
         "response_length_max": float(lengths.max()),
         "truncation_rate": float(truncated.mean()),
         "tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),

@@ -133,14 +133,13 @@ bytes. Readers take any codec: shards written with zstd read alike."""
 
 def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
     """Parquet (`CODEC`) bytes of `table` conformed to `schema`."""
-    # Token and logprob lists are high-cardinality: dictionary encoding and min/max
-    # statistics would cost most of the encoding time and buy nothing for them.
-    scalars = [f.name for f in schema if not _is_list(f.type)]
+    # No dictionary encoding and no min/max statistics, on any column: no reader filters on
+    # statistics, and LZ4 already folds the values a group repeats (prompt text, ids). On
+    # the demo's ready shards (128 rows) the scalar columns' dictionaries and statistics
+    # took a third of the encoding time and made the file larger (8.8 KB against 7.6 KB).
     sink = pa.BufferOutputStream()
-    pq.write_table(
-        conform(table, schema), sink, compression=CODEC,
-        use_dictionary=scalars, write_statistics=scalars,
-    )
+    pq.write_table(conform(table, schema), sink, compression=CODEC, use_dictionary=False,
+                   write_statistics=False)
     return sink.getvalue().to_pybytes()
 
 
