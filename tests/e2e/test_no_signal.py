@@ -1,4 +1,5 @@
-"""A run with nothing to learn from stops itself with a diagnosis instead of spinning.
+"""A run with nothing to learn from stops itself with a diagnosis instead of spinning; a
+run whose policy gets every sample right finishes early as converged.
 
 An untrained model on the cipher task gets every sample of every group wrong, so
 zero-variance filtering keeps no group and the policy can never change. The learner commits
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from shardrl.orchestrate.accounting import account
 from shardrl.stages import EXIT_RUN_ABORTED
+from shardrl.stages.evaluate import summaries
 from shardrl.stages.staleness import backlog_cap, group_cap
 from shardrl.store import LocalStore, RunKeys
 
@@ -54,3 +56,34 @@ def test_a_run_without_signal_aborts_with_the_diagnosis_and_a_bounded_backlog(tm
     acc = account(store, keys)
     assert acc.balanced, acc.line()
     assert acc.consumed == 0 and acc.filtered > 0
+
+
+def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
+    """A verifier that accepts every response: every group's rewards are equal, so nothing is
+    kept, but every sample was right. After the barren limit the learner writes DONE.json with
+    `converged` at the version it reached (0: it never had a group to learn from), evaluate
+    takes that version as the last, promote registers it and the runner exits 0."""
+    (tmp_path / "always_right.py").write_text(
+        "def verify(response: str, answer: str) -> float:\n    return 1.0\n")
+    config = write_config(tmp_path, f"tracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n"
+                          "reward: {verifiers: [{name: 'always_right:verify'}]}\n")
+    proc, out = start_runner(tmp_path, run_args(
+        config, str(tmp_path / "store"), "solved", "learner.total_steps=1000",
+        "algo.filters.zero_variance=true", "rollout.workers=1",
+        f"learner.max_batches_without_signal={LIMIT}", "eval.every=1000"), "solved",
+        env={"PYTHONPATH": str(tmp_path)})
+    text = finish(proc, out, timeout=300)
+    assert proc.returncode == 0, text[-3000:]
+    assert "learner steps     0 of 1000: converged" in text
+
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("solved")
+    assert not store.exists(keys.aborted())
+    done = store.get_json(keys.done())
+    assert done["converged"] is True and done["steps"] == 0
+    assert done["counts"]["consumed"] == 0 and done["counts"]["filtered"] >= LIMIT * 2 * 4
+    # the last version owed is the one the learner finished at: evaluated, and promoted
+    assert sorted(summaries(store, keys, read=False)) == [0]
+    promoted = store.get_json(keys.state("promote", "result.json"))
+    assert promoted["version"] == 0
+    acc = account(store, keys)
+    assert acc.balanced, acc.line()

@@ -184,6 +184,28 @@ def test_the_schedule_owes_the_lowest_unevaluated_version_without_listing(tmp_pa
     assert store.listings == listings == 1
 
 
+@pytest.mark.parametrize(("evaluated", "final", "owed"), [
+    ((0,), 17, [10, 17]),     # ends past the next owed version: 10, then 17 as the last
+    ((0, 10), 17, [17]),      # next owed was 20: 17 becomes the last, owed at once
+    ((0, 10), 20, [20]),      # 20 is the last either way
+    ((0, 10, 20), 20, []),    # already evaluated: nothing more is owed
+    ((0,), 0, []),            # converged at the snapshot, which is evaluated
+    ((0,), 100, [10, 20, 25]),  # at or past `total`: the schedule is unchanged
+])
+def test_a_learner_that_converged_early_ends_the_schedule_at_its_last_version(
+        tmp_path, evaluated, final, owed):
+    store = LocalStore(tmp_path)
+    for v in evaluated:
+        store.put_json(KEYS.eval_summary(v), {"version": v})
+    s = Schedule(store, KEYS, every=10, total=25)
+    s.end_at(final)
+    got = []
+    while (v := s.due(10_000)) is not None:
+        got.append(v)
+        s.advance()
+    assert got == owed
+
+
 def test_backlog_counts_kept_groups_the_learner_has_not_committed():
     progress = Progress.model_validate({"groups_by_worker": {"1": 40},
                                         "kept_groups_by_worker": {"1": 10}})

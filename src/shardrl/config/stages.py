@@ -177,10 +177,11 @@ class LearnerConfig(Section):
     doctor_every: int = Field(10, ge=1, le=1_000_000)
     """Run the live doctor every this many steps."""
     max_batches_without_signal: int | None = Field(64, ge=1, le=1_000_000)
-    """Stop the run (ABORTED.json, with the diagnosis) once this many batches' worth of
-    prompt groups (`batch_prompts` each) in a row had none kept by filtering: every group's
-    rewards were all equal, so there is nothing to learn from (the policy solves none, or
-    all, of its prompts). None: keep going."""
+    """Once this many batches' worth of prompt groups (`batch_prompts` each) in a row had none
+    kept by filtering (every group's rewards were all equal, so there is nothing to learn
+    from): if every one of their samples was correct, the policy has converged and the run
+    finishes at that version (DONE.json with `converged`; evaluate and promote go on);
+    otherwise it stops with the diagnosis (ABORTED.json). None: keep going."""
     publish: PublishConfig = PublishConfig()
     """Published weights: dtype, deltas and full snapshots."""
     commit_writer: Literal["auto", "process", "thread"] = "auto"

@@ -120,7 +120,9 @@ class Monitor:
         first, last = (evals.get(0), evals[max(evals)]) if evals else (None, None)
         print("\n== ShardRL run summary ==")
         print(f"run id            {lr.run_id}")
-        print(f"learner steps     {done.steps}")
+        converged = (f" of {self.total}: converged, every sample of its last prompt groups was "
+                     "correct" if done.converged else "")
+        print(f"learner steps     {done.steps}{converged}")
         if first and last:
             print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f} -> final "
                   f"(v{max(evals)}) {last['pass_at_1']:.3f}  ({first['prompts']} prompts, "

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from ..store import RunKeys, Store
 from ..store.keys import parse_eval_summary_key
-from ..store.records import EvalPointer
+from ..store.records import Done, EvalPointer
 from ..store.schemas import EVAL
 from ..store.shards import write_shard
 from .context import StageContext
@@ -73,6 +73,18 @@ class Schedule:
             self.done.add(self.next)
             self._skip_done()
 
+    def end_at(self, final: int) -> None:
+        """The learner finished at version `final` before `total` (it converged): `final` is
+        the last version owed."""
+        if final >= self.total:
+            return
+        self.total = final
+        if self.next is not None and self.next > final:
+            # every wanted version below `next` is evaluated, `final` among them if it was
+            # wanted before it became the last (version 0 or a multiple of `every`)
+            self.next = None if final == 0 or final % self.every == 0 else final
+        self._skip_done()
+
     def _skip_done(self) -> None:
         while self.next is not None and self.next in self.done:
             self.done.discard(self.next)
@@ -93,6 +105,10 @@ def main(ctx: StageContext) -> int:
     schedule = Schedule(store, keys, cfg.eval.every, total)
     while True:
         finished = ctx.done()
+        if finished and schedule.total == total:  # a converged learner stops before `total`
+            done = Done.read(store, keys.done(), optional=True)
+            if done is not None:
+                schedule.end_at(done.steps)
         latest = ctx.latest_version()
         version = schedule.due(latest)
         if version is not None:
@@ -102,7 +118,7 @@ def main(ctx: StageContext) -> int:
                 ctx.log.error("policy v%d is gone from the store: not evaluated", version)
             schedule.advance()
             continue
-        if (finished and latest >= total) or ctx.once or ctx.aborted() is not None:
+        if (finished and latest >= schedule.total) or ctx.once or ctx.aborted() is not None:
             return 0
         time.sleep(cfg.eval.poll_interval_s)
 

@@ -226,6 +226,9 @@ class Done(Record):
     counts: dict[str, int] = {}
     time: float = 0.0
     staleness: dict[int, int] = {}
+    converged: bool = False
+    """The run finished before `learner.total_steps` because every sample of its last
+    prompt groups was correct (nothing left to learn from them); `steps` is the last version."""
 
 
 class Aborted(Record):

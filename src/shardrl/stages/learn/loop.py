@@ -162,6 +162,7 @@ class Learner:
 
     def _lead(self) -> int:
         ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
+        converged = False
         while self.version < lc.total_steps:
             new = buffer.poll(self.version)
             batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
@@ -174,6 +175,9 @@ class Learner:
                 self.step(batch)
                 if ctx.once and self.version < lc.total_steps:
                     return 0
+                if self.solved():
+                    converged = True
+                    break
                 if self.without_signal():
                     return EXIT_RUN_ABORTED
             elif stale := buffer.stale(self.version, self.k()):
@@ -189,7 +193,8 @@ class Learner:
                 buffer.wait(lc.poll_interval_s)
         self.writer.wait()
         Done(steps=self.version, counts=dict(self.ledger.counts), time=time.time(),
-             staleness=dict(self.ledger.staleness)).write(ctx.store, ctx.keys.done())
+             staleness=dict(self.ledger.staleness),
+             converged=converged).write(ctx.store, ctx.keys.done())
         ctx.log.info("done: %d steps, %s", self.version, dict(self.ledger.counts))
         return 0
 
@@ -235,20 +240,41 @@ class Learner:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
             self.writer.later(self.doctor.check, self.version)  # off the step's path
 
+    def barren_limit(self) -> bool:
+        """Whether `max_batches_without_signal` batches' worth of prompt groups in a row had
+        none kept by filtering (never in a `--once` round)."""
+        lc = self.cfg.learner
+        limit = lc.max_batches_without_signal
+        return not (self.ctx.once or limit is None
+                    or self.barren.groups < limit * lc.batch_prompts)
+
+    def solved(self) -> bool:
+        """Whether the policy has converged on its prompts: over the barren limit, every
+        sample of every group was correct. Then the run finishes at this version (DONE.json,
+        `converged`), as a success: evaluate takes this version as the last and promote
+        proceeds. Groups that all failed instead abort the run (`without_signal`)."""
+        if not (self.barren_limit() and self.barren.all_correct()):
+            return False
+        self.ctx.log.info(
+            "converged at version %d of %d: in the last %d prompt groups (%d samples) every "
+            "sample was correct, so zero-variance filtering kept none and there is nothing "
+            "left to learn from these prompts; finishing the run here", self.version,
+            self.cfg.learner.total_steps, self.barren.groups, self.barren.rows)
+        return True
+
     def without_signal(self) -> bool:
         """Whether the run has had nothing to learn from for `max_batches_without_signal`
         batches' worth of groups: then the abort marker, with the diagnosis, stops every
         stage (a restart would only generate more of the same)."""
-        lc = self.cfg.learner
-        limit = lc.max_batches_without_signal
-        if self.ctx.once or limit is None or self.barren.groups < limit * lc.batch_prompts:
+        limit = self.cfg.learner.max_batches_without_signal
+        if not self.barren_limit():
             return False
         reason = (
             f"nothing to learn from: in the last {self.barren.groups} prompt groups "
             f"({self.barren.rows} samples, mean reward {self.barren.mean_reward():.3f}) every "
             f"sample of a group got the same reward, so zero-variance filtering kept none and "
-            f"the policy has not changed since version {self.version}. The policy solves none "
-            f"(or all) of these prompts: warm-start it (model.sft), pick an easier task, or "
+            f"the policy has not changed since version {self.version}. The policy solves each of "
+            f"these prompts never (or always): warm-start it (model.sft), pick an easier task, or "
             f"sample more per prompt (rollout.group_size); "
             f"learner.max_batches_without_signal = {limit} sets this limit")
         Aborted(stage="learn", exit_code=EXIT_RUN_ABORTED, reason=reason,
@@ -344,19 +370,24 @@ class Barren:
     """Prompt groups committed in a row without one kept by filtering (admitted shards)."""
 
     def __init__(self) -> None:
-        self.groups = self.rows = 0
+        self.groups = self.rows = self.correct = 0
         self.reward = 0.0
         """Sum of the rows' `reward_total`."""
 
     def add(self, table: pa.Table, kept: pa.Table) -> None:
         """Count a step's admitted rows (`table`); a step with any kept row ends the run."""
         if len(kept):
-            self.groups = self.rows = 0
+            self.groups = self.rows = self.correct = 0
             self.reward = 0.0
             return
         self.groups += len(pc.unique(table.column("group_id")))
         self.rows += len(table)
+        self.correct += int(pc.sum(table.column("correct")).as_py() or 0)
         self.reward += float(pc.sum(table.column("reward_total")).as_py() or 0.0)
 
     def mean_reward(self) -> float:
         return self.reward / self.rows if self.rows else 0.0
+
+    def all_correct(self) -> bool:
+        """Whether the run of rows is non-empty and every row was correct (the verifiers')."""
+        return self.rows > 0 and self.correct == self.rows
