@@ -64,6 +64,18 @@ def test_violations_raise_schema_error(columns, message):
         conform(pa.table(columns), SMALL)
 
 
+def test_a_table_already_typed_as_the_schema_is_kept_and_still_checked_for_nulls():
+    typed = pa.table({"id": pa.array([1], pa.int32()), "score": pa.array([None], pa.float32()),
+                      "tokens": pa.array([[3]], pa.list_(pa.int32()))}, schema=SMALL)
+    assert conform(typed, SMALL) is typed  # nothing to cast: the same table back
+    # the schema says non-nullable, the data holds a null (Arrow does not enforce it)
+    holed = pa.table({"id": pa.array([None], pa.int32()), "score": pa.array([0.5], pa.float32()),
+                      "tokens": pa.array([[3]], pa.list_(pa.int32()))}, schema=SMALL)
+    assert holed.schema.equals(SMALL)
+    with pytest.raises(SchemaError, match="'id' must not be null"):
+        conform(holed, SMALL)
+
+
 def test_encode_decode_round_trip_and_corruption():
     table = conform(pa.table({"id": [7], "score": [None], "tokens": [[4, 5]]}), SMALL)
     data = encode_shard(table, SMALL)

@@ -105,6 +105,9 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         base = conform(table.drop_columns(present), schema)
         return pa.Table.from_arrays(base.columns + episode.columns,
                                     schema=pa.schema(list(schema) + list(EPISODE)))
+    if table.schema.equals(schema):  # typed as the shard's schema already: nothing to cast
+        _check_nulls(table, schema)
+        return table
     names, expected = table.column_names, schema.names
     if names != expected:
         missing = [n for n in expected if n not in names]
@@ -112,13 +115,18 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         if missing or extra:
             raise SchemaError(f"columns differ: missing {missing}, unexpected {extra}")
         raise SchemaError(f"columns in the wrong order: expected {expected}, got {names}")
-    columns = []
+    columns = [_cast_column(column, field)
+               for field, column in zip(schema, table.columns, strict=True)]
+    table = pa.Table.from_arrays(columns, schema=schema)
+    _check_nulls(table, schema)
+    return table
+
+
+def _check_nulls(table: pa.Table, schema: pa.Schema) -> None:
+    """SchemaError if a column that `schema` makes non-nullable holds nulls."""
     for field, column in zip(schema, table.columns, strict=True):
-        column = _cast_column(column, field)
         if not field.nullable and column.null_count:
             raise SchemaError(f"column {field.name!r} must not be null ({column.null_count} nulls)")
-        columns.append(column)
-    return pa.Table.from_arrays(columns, schema=schema)
 
 
 CODEC = "lz4"
@@ -146,7 +154,8 @@ def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
 def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
     """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
     try:
-        table = pq.ParquetFile(pa.BufferReader(data)).read()
+        # one small file: Arrow's thread pool would cost more than it saves
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     except (pa.ArrowException, OSError) as e:
         raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
     return conform(table, schema)
