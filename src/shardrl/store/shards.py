@@ -151,11 +151,16 @@ def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+THREADED_READ = 1 << 20
+"""Bytes above which a shard's columns are decoded on Arrow's thread pool."""
+
+
 def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
     """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
     try:
-        # one small file: Arrow's thread pool would cost more than it saves
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+        # Arrow's thread pool only for large files: on a small one (a demo shard, 8 KB) it
+        # costs more than it saves (0.6 ms against 1.1 ms to read one)
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=len(data) > THREADED_READ)
     except (pa.ArrowException, OSError) as e:
         raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
     return conform(table, schema)
