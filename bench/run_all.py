@@ -167,8 +167,14 @@ def _trl(r: dict) -> Iterator[Row]:
         busy = r["busy_fraction"]
         steady = r.get("steady_busy_fraction", {})
         if steady:
-            yield ("trl", "ShardRL rollout busy fraction, steady state (mean over workers)",
-                   ">= 0.85", _spread(steady["rollout"], none="not recorded"))
+            yield ("trl", "ShardRL rollout busy fraction, steady state (mean over workers): "
+                   "time not paused on the backlog", ">= 0.85",
+                   _spread(steady["rollout"], none="not recorded"))
+            if "rollout_generating" in steady:
+                yield ("trl", "ShardRL rollout steady state: share of the time inside "
+                       "generation batches (sampling, inline scoring and prepare, shard "
+                       "hand-off; not weight loads or drawing and encoding prompts)", "",
+                       _spread(steady["rollout_generating"], none="not recorded"))
             yield ("trl", "ShardRL learner busy fraction, steady state: wall / CPU seconds "
                    "of updates (CPU: without contention inflation)", "",
                    " / ".join(_spread(steady[n], none="not recorded")

@@ -58,8 +58,10 @@ Figures per repeat (each reported as median, min and max over repeats):
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
   processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
 - `steady_busy_fraction` (rollout, learner: busy seconds gained between the first and the last
-  new version over that time; `learner_cpu` counts the learner's CPU seconds of updates, so
-  an update slowed by a shared core is not counted busier), `busy_fraction` (whole-run values,
+  new version over that time; a rollout worker is busy whenever it is not paused on its
+  backlog, and `rollout_generating` counts only its generation batches; `learner_cpu` counts
+  the learner's CPU seconds of updates, so an update slowed by a shared core is not counted
+  busier), `busy_fraction` (whole-run values,
   start-up included), `resume_lag_s` (a paused worker: the learner's commit to its resuming)
   and `hop_s`
   (the learner's hand-off latency: seconds from a shard's generation to the learner reading
@@ -217,6 +219,8 @@ def pipeline_figures(points: list[Point]) -> dict:
             "learner": last_per_writer(named(points, LEARNER_STAGES, "busy_fraction"))},
         "steady_busy_fraction": {
             "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
+            "rollout_generating": steady_busy(named(points, ("rollout",), "generating_s"),
+                                              window),
             "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
             "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)},
         "hop_s": {"p50": percentile(hops, 50), "p95": percentile(hops, 95),
@@ -541,7 +545,7 @@ def summarize(rows: list[dict]) -> dict:
                   for q in ("p50", "p95", "max")},
         "steady_busy_fraction": {
             name: over(lambda r, n=name: r["shardrl"].get("steady_busy_fraction", {}).get(n))
-            for name in ("rollout", "learner", "learner_cpu")},
+            for name in ("rollout", "rollout_generating", "learner", "learner_cpu")},
         "resume_lag_s": {q: over(lambda r, q=q: r["shardrl"].get("resume_lag_s", {}).get(q))
                          for q in ("p50", "p95")},
         "profile": {name: over(lambda r, n=name: r["shardrl"].get("profile", {}).get(n))

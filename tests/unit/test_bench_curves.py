@@ -219,7 +219,8 @@ def test_pipeline_figures_from_hand_made_metrics():
 def test_pipeline_figures_tolerate_missing_metrics():
     assert pipeline_figures([]) == {
         "steady_samples_per_s": None, "busy_fraction": {"rollout": None, "learner": None},
-        "steady_busy_fraction": {"rollout": None, "learner": None, "learner_cpu": None},
+        "steady_busy_fraction": {"rollout": None, "rollout_generating": None, "learner": None,
+                                 "learner_cpu": None},
         "hop_s": {"p50": None, "p95": None, "max": None, "n": 0},
         "resume_lag_s": {"p50": None, "p95": None, "n": 0},
         "profile": {"learn/update_s": None, "learn/commit_s": None, "learn/read_s": None,

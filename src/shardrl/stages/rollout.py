@@ -46,11 +46,11 @@ def main(ctx: StageContext) -> int:
 
         post = InlinePostprocess(ctx)
         post.recover(state.version, ctx.latest_version() or 0)
-    flow = Flow(ctx, state, exact=post is not None)
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
     engine = PolicyEngine(ctx, _wait_for_policy(ctx))
     episodes = episode_runner(ctx, engine)  # None: single responses
+    flow = Flow(ctx, state, exact=post is not None)  # its clock starts with the first policy
     paused, skipped = None, 0  # paused: monotonic time the current pause began
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
@@ -130,7 +130,7 @@ def main(ctx: StageContext) -> int:
                 last = writer.submit(*job)
                 _log_metrics(ctx, engine.version, latest, table,
                              seconds * len(items) / len(prompt_ids), flow)
-            flow.busy(time.monotonic() - started)
+            flow.generated(time.monotonic() - started)
     finally:
         writer.shutdown()  # waits for the writes still queued
         if post is not None:
@@ -187,7 +187,10 @@ class Flow:
         self.kept = state.kept_written
         self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)
         self.started = time.monotonic()
-        self.busy_s = 0.0
+        self.paused_s = 0.0
+        """Seconds spent waiting in `pause` (the backlog was full)."""
+        self.generating_s = 0.0
+        """Seconds inside generation batches: sampling, scoring and prepare, shard hand-off."""
         self.round_kept = 0
         self.round_groups = 0
         self.round_rate = 1.0
@@ -237,10 +240,20 @@ class Flow:
 
     def pause(self, timeout: float) -> None:
         """Wait for the learner's next commit (or `timeout`)."""
+        started = time.monotonic()
         self.arrivals.wait(timeout)
+        self.paused_s += time.monotonic() - started
 
-    def busy(self, seconds: float) -> None:
-        self.busy_s += seconds
+    def generated(self, seconds: float) -> None:
+        """A generation batch took `seconds`, from sampling to its shards' hand-off."""
+        self.generating_s += seconds
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds since the first policy arrived not spent paused on the backlog: generation
+        batches and the work between them (loading new weights, drawing and encoding the
+        next prompts, reserving shard numbers)."""
+        return time.monotonic() - self.started - self.paused_s
 
     def busy_fraction(self) -> float:
         return self.busy_s / max(time.monotonic() - self.started, 1e-9)
@@ -385,4 +398,5 @@ def _log_metrics(ctx: StageContext, version: int, latest: int, table: pa.Table,
         "samples": float(len(lengths)),
         "busy_fraction": flow.busy_fraction(),
         "busy_s": flow.busy_s,
+        "generating_s": flow.generating_s,
     } | episode_metrics(table))
