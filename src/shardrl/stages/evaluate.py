@@ -103,12 +103,14 @@ def main(ctx: StageContext) -> int:
     engine = PolicyEngine(ctx, 0)
     total = cfg.learner.total_steps
     schedule = Schedule(store, keys, cfg.eval.every, total)
+    ended = False  # DONE.json read: the schedule ends at its version
     while True:
         finished = ctx.done()
-        if finished and schedule.total == total:  # a converged learner stops before `total`
+        if finished and not ended:  # a converged learner stops before `total`
             done = Done.read(store, keys.done(), optional=True)
             if done is not None:
                 schedule.end_at(done.steps)
+                ended = True
         latest = ctx.latest_version()
         version = schedule.due(latest)
         if version is not None:

@@ -256,7 +256,8 @@ class Flow:
         return time.monotonic() - self.started - self.paused_s
 
     def busy_fraction(self) -> float:
-        return self.busy_s / max(time.monotonic() - self.started, 1e-9)
+        elapsed = time.monotonic() - self.started
+        return (elapsed - self.paused_s) / max(elapsed, 1e-9)
 
     def kept_per_shard(self) -> float:
         """Expected kept groups of one shard: this worker's keep rate so far (exact counts
