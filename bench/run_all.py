@@ -163,6 +163,8 @@ def _trl(r: dict) -> Iterator[Row]:
                "", _spread(vs["samples_per_s_ratio"], suffix="x"))
         yield ("trl/sync", "samples/s ShardRL / sync (whole runs, start-up included)", "",
                _spread(vs["samples_per_s_ratio_whole_run"], suffix="x"))
+        if "cpu_per_step_ratio" in vs and "cpu_per_step" in r:
+            yield from _cpu_per_step(r["cpu_per_step"], vs)
     if "machine_share" in r:
         yield ("trl", "ShardRL machine share: stage CPU seconds / (cores x RL wall clock)",
                ">= 0.8", _spread(r["machine_share"], none="not recorded"))
@@ -212,6 +214,27 @@ def _trl(r: dict) -> Iterator[Row]:
                "the per-step medians / max", "",
                " / ".join(_spread(hop.get(q), ".2f", "not recorded")
                           for q in ("p50", "p95", "max")))
+
+
+def _cpu_per_step(cpu: dict, vs: dict) -> Iterator[Row]:
+    """CPU milliseconds per optimizer step of each side, by kind of work (medians)."""
+    def ms(side: str, part: str) -> str:
+        value = cpu[side][part]["median"]
+        return "n/a" if value is None else f"{value * 1000:.0f}"
+
+    per = vs["samples_per_step"]
+    samples = " / ".join("n/a" if per[s]["median"] is None else f"{per[s]['median']:.0f}"
+                         for s in ("shardrl", "sync"))
+    yield ("trl/sync", "CPU ms per optimizer step, ShardRL (whole RL phase, median): all / "
+           "sampling calls / updates / evaluate / the rest (scoring and prepare, shard "
+           "encoding, writes and reads, weight publishing and loading, commits, metrics, "
+           "start-up)", "", " / ".join(ms("shardrl", p) for p in
+                                      ("total", "generate", "update", "evaluate", "rest")))
+    yield ("trl/sync", "CPU ms per optimizer step, sync baseline: all / generation / updates / "
+           "scoring and prepare", "",
+           " / ".join(ms("sync", p) for p in ("total", "generate", "update", "score_prepare")))
+    yield ("trl/sync", f"CPU per step ShardRL / sync (samples generated per step: {samples})",
+           "", _spread(vs["cpu_per_step_ratio"], suffix="x"))
 
 
 def _overhead(r: dict) -> Iterator[Row]:

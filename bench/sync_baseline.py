@@ -139,6 +139,8 @@ class SyncTrainer:
         """Prompt groups prepared so far, and those kept by filtering: the keep rate that
         sizes each generation call."""
         self.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
+        self.cpu_seconds = dict.fromkeys(self.seconds, 0.0)
+        """The process's CPU seconds in each phase (every thread's: torch's pool too)."""
 
     # -- one round of generation ----------------------------------------------------------
     def _prompts(self, seq: int) -> list:
@@ -182,13 +184,14 @@ class SyncTrainer:
         items = [it for _, its in per_shard for it in its]
         if not items:
             return []
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         self.model.eval()
         prompt_ids = self.encode([it.prompt for it in items])
         groups = self.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                       top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
                                       seed=cfg.seed * 1_000_003 + per_shard[0][0])
         self.seconds["generate"] += time.monotonic() - started
+        self.cpu_seconds["generate"] += time.process_time() - cpu_started
         n = sum(len(g) for g in groups)
         self.counts["generated"] += n
         events.append((clock.now(), float(n)))
@@ -272,7 +275,7 @@ class SyncTrainer:
             need = min(math.ceil((b - len(kept)) / (per * max(rate, 1.0 / per))),
                        math.ceil((FILTERED_LIMIT * b - len(total)) / per))
             shards = self.generate(need, clock, events)
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), time.process_time()
             for table in shards:
                 table = self.prepare(self.score(table))
                 ready.append(table)
@@ -284,6 +287,7 @@ class SyncTrainer:
                 total.update(ids)
                 kept.update(mine)
             self.seconds["score_prepare"] += time.monotonic() - started
+            self.cpu_seconds["score_prepare"] += time.process_time() - cpu_started
         return pa.concat_tables(ready)
 
     def update(self, table) -> bool:
@@ -297,7 +301,7 @@ class SyncTrainer:
         self.counts["filtered"] += len(table) - len(kept)
         if not len(kept):  # as the learner: no update, and not counted as a skipped step
             return False
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         scale = lr_schedule(self.version, warmup_steps=lc.warmup_steps,
                             total_steps=lc.total_steps, kind=lc.schedule,
                             min_ratio=lc.min_lr_ratio)
@@ -308,6 +312,7 @@ class SyncTrainer:
         applied, _ = self.backend.step(loss)
         self.model.eval()
         self.seconds["update"] += time.monotonic() - started
+        self.cpu_seconds["update"] += time.process_time() - cpu_started
         if applied:
             self.version += 1
             self.engine.version = self.version
@@ -382,7 +387,18 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
             "samples_per_s": trainer.counts["generated"] / seconds,
             "steady_samples_per_s": steady_samples_per_s(step_times, events),
             "startup_seconds": started, "eval_seconds": clock.paused_s,
-            "phase_seconds": trainer.seconds, "threads": trainer.threads}
+            "phase_seconds": trainer.seconds, "phase_cpu_seconds": trainer.cpu_seconds,
+            "cpu_per_step": cpu_per_step(trainer.cpu_seconds, trainer.version),
+            "threads": trainer.threads}
+
+
+def cpu_per_step(cpu_seconds: dict[str, float], steps: int) -> dict[str, float] | None:
+    """The baseline's CPU seconds per optimizer step, in all and by phase (None before a
+    step). The phases are all its work on the clock but loading the model at the start."""
+    if steps <= 0:
+        return None
+    per = {phase: s / steps for phase, s in cpu_seconds.items()}
+    return {"total": sum(per.values()), **per}
 
 
 def main() -> None:

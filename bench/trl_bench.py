@@ -57,6 +57,14 @@ Figures per repeat (each reported as median, min and max over repeats):
   `samples_per_s_ratio_whole_run` divides the whole-run rates instead.
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
   processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
+- `cpu_per_step` (each side) and `vs_sync.cpu_per_step_ratio`: CPU seconds per optimizer
+  step over the whole RL phase, split into the model's work (sampling calls, updates) and the
+  rest: for ShardRL those processes' CPU seconds (`cpu_per_step`) with the rollout workers'
+  `sampling_cpu_s`, the learner's `busy_cpu_s` and the evaluate stage apart; for the
+  baseline the process CPU of its generation, scoring and prepare, and update phases (its
+  evaluations are off the clock). What ShardRL spends beyond the baseline per step is what
+  its concurrency has to win back: its steps/s over the baseline's is the ratio of the cores
+  each keeps busy divided by this ratio (up to start-up, which only ShardRL's figure holds).
 - `steady_busy_fraction` (rollout, learner: busy seconds gained between the first and the last
   new version over that time; a rollout worker is busy whenever it is not paused on its
   backlog, and `rollout_generating` counts only its generation batches; `learner_cpu` counts
@@ -158,6 +166,8 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
     same with each curve's crossing read between its evaluations
     (`curves.time_to_reach_interpolated`). `samples_per_s_ratio`: steady-state
     samples/s, ShardRL's over the baseline's; `samples_per_s_ratio_whole_run`: whole runs.
+    `cpu_per_step_ratio`: CPU seconds per optimizer step, ShardRL's (all its RL processes)
+    over the baseline's; `samples_per_step`: generated samples per step of each.
     """
     target = time_to_target(sync["curve"], shardrl["curve"])
     sync_t, shardrl_t = target["seconds"]
@@ -170,7 +180,11 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
             "samples_per_s_ratio": ratio(shardrl.get("steady_samples_per_s"),
                                          sync.get("steady_samples_per_s")),
             "samples_per_s_ratio_whole_run": ratio(shardrl["samples_per_s"],
-                                                   sync["samples_per_s"])}
+                                                   sync["samples_per_s"]),
+            "cpu_per_step_ratio": ratio((shardrl.get("cpu_per_step") or {}).get("total"),
+                                        (sync.get("cpu_per_step") or {}).get("total")),
+            "samples_per_step": {side: r["samples"] / r["steps"] if r.get("steps") else None
+                                 for side, r in (("shardrl", shardrl), ("sync", sync))}}
 
 
 # -- ShardRL side --------------------------------------------------------------------------
@@ -258,6 +272,10 @@ def rollout_pauses(points: list[Point]) -> list[list[tuple[float, float]]]:
     return list(by_writer.values())
 
 
+CPU_PARTS = {"shardrl": ("total", "generate", "update", "evaluate", "rest"),
+             "sync": ("total", "generate", "update", "score_prepare")}
+"""The parts of each side's CPU seconds per step (`cpu_per_step`)."""
+
 PROFILE = {"learn": ("update_s", "commit_s", "read_s", "wait_s"),
            "rollout": ("generate_s", "post_s")}
 """Per-step learner timings and per-shard rollout timings that make the steady-state profile."""
@@ -286,6 +304,31 @@ def steady_busy(points: list[Point], window: tuple[float, float]) -> float | Non
     values = [v for series in by_writer.values()
               if (v := steady_busy_fraction(series, *window)) is not None]
     return sum(values) / len(values) if values else None
+
+
+def cpu_per_step(cpu_s: dict[str, float] | None, points: list[Point],
+                 steps: int) -> dict[str, float] | None:
+    """ShardRL's CPU seconds per learner step over its RL phase, in all and by kind of work:
+    `total` = the rollout, learn and evaluate processes (`cpu_s`, stage start-up included);
+    `generate` = the rollout workers' sampling calls (`sampling_cpu_s`), `update` = the
+    learner's updates (`busy_cpu_s`), `evaluate` = the evaluate stage, and `rest` = the
+    remainder: scoring and prepare inline, shard encoding and writes, reads, weight
+    publishing and loading, commits, metrics, start-up. None without the figures."""
+    def newest(stages: tuple[str, ...], name: str) -> float | None:
+        by_writer: dict[str, Point] = {}
+        for p in named(points, stages, name):
+            by_writer[p[0]] = p  # time order: the newest point of each process wins
+        return sum(p[3] for p in by_writer.values()) if by_writer else None
+
+    sampling = newest(("rollout",), "sampling_cpu_s")
+    update = newest(LEARNER_STAGES, "busy_cpu_s")
+    if not cpu_s or steps <= 0 or sampling is None or update is None:
+        return None
+    total = sum(cpu_s.get(stage, 0.0) for stage in MACHINE_STAGES)
+    evaluate = cpu_s.get("evaluate", 0.0)
+    return {"total": total / steps, "generate": sampling / steps, "update": update / steps,
+            "evaluate": evaluate / steps,
+            "rest": (total - sampling - update - evaluate) / steps}
 
 
 def metric_points(store, keys) -> list[Point]:
@@ -332,11 +375,13 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
     if cpu_s and rl_wall_s:
         share = machine_share(cpu_s, MACHINE_STAGES, os.cpu_count() or 1, rl_wall_s)
     snapshot = download_folder(store, keys.policy_prefix(0), WORK / f"{run_id}-snapshot")
+    points = metric_points(store, keys)
     return {"curve": sorted(curve), "seconds": done["time"] - start, "steps": done["steps"],
             "samples": runner["accounting"]["generated"],
             "consumed": runner["accounting"]["consumed"], "eval_samples": eval_samples,
             "cpu_s": cpu_s, "rl_wall_s": rl_wall_s, "machine_share": share,
-            **pipeline_figures(metric_points(store, keys)), "snapshot": snapshot}
+            "cpu_per_step": cpu_per_step(cpu_s, points, done["steps"]),
+            **pipeline_figures(points), "snapshot": snapshot}
 
 
 # -- TRL side ------------------------------------------------------------------------------
@@ -537,7 +582,16 @@ def summarize(rows: list[dict]) -> dict:
             "samples_per_s_ratio_whole_run":
                 over(lambda r: r["vs_sync"]["samples_per_s_ratio_whole_run"]),
             "target": over(lambda r: r["vs_sync"]["target"]),
+            "cpu_per_step_ratio": over(lambda r: r["vs_sync"].get("cpu_per_step_ratio")),
+            "samples_per_step": {
+                side: over(lambda r, s=side: r["vs_sync"].get("samples_per_step", {}).get(s))
+                for side in ("shardrl", "sync")},
         },
+        "cpu_per_step": {
+            side: {part: over(lambda r, s=side, p=part:
+                              (r[s].get("cpu_per_step") or {}).get(p))
+                   for part in CPU_PARTS[side]}
+            for side in ("shardrl", "sync")},
         "machine_share": over(lambda r: r["shardrl"].get("machine_share")),
         "busy_fraction": {name: over(lambda r, n=name: r["shardrl"]["busy_fraction"][n])
                           for name in ("rollout", "learner")},

@@ -31,6 +31,7 @@ from bench.trl_bench import (
     MACHINE_STAGES,
     compare,
     compare_sync,
+    cpu_per_step,
     last_per_writer,
     learner_waits,
     pipeline_figures,
@@ -121,6 +122,28 @@ def test_compare_sync_speedup_and_sample_rates():
     slow = compare_sync({**shardrl, "curve": [(0.0, 0.5), (40.0, 0.6)],
                          "steady_samples_per_s": None}, sync)
     assert slow["time_speedup"] is None and slow["samples_per_s_ratio"] is None
+    # without CPU figures the ratio is undefined; with them, ShardRL's total over sync's
+    assert got["cpu_per_step_ratio"] is None
+    cpu = compare_sync({**shardrl, "cpu_per_step": {"total": 0.3}, "samples": 600, "steps": 2},
+                       {**sync, "cpu_per_step": {"total": 0.2}, "samples": 500, "steps": 2})
+    assert cpu["cpu_per_step_ratio"] == pytest.approx(1.5)
+    assert cpu["samples_per_step"] == {"shardrl": 300.0, "sync": 250.0}
+
+
+def test_cpu_per_step_splits_shardrls_cpu_by_kind_of_work():
+    # cumulative counters: the newest point of each process counts, whatever the order
+    points = [("rollout/w00", "rollout/sampling_cpu_s", 3, 3.0, 5.0),
+              ("rollout/w00", "rollout/sampling_cpu_s", 1, 2.0, 1.0),
+              ("rollout/w01", "rollout/sampling_cpu_s", 2, 2.5, 4.0),
+              ("learn/w00", "learn/busy_cpu_s", 9, 4.0, 6.0),
+              ("learn/w00", "learn/busy_cpu_s", 8, 3.5, 5.5)]
+    cpu_s = {"snapshot": 3.0, "rollout": 10.0, "learn": 5.0, "evaluate": 1.0}
+    got = cpu_per_step(cpu_s, points, 10)
+    # RL-phase processes 16 s (not the snapshot) over 10 steps; sampling 3 + 2.5, updates 4
+    assert got == pytest.approx({"total": 1.6, "generate": 0.55, "update": 0.4,
+                                 "evaluate": 0.1, "rest": 0.55})
+    assert cpu_per_step(cpu_s, points[:3], 10) is None  # no learner counter
+    assert cpu_per_step(None, points, 10) is None and cpu_per_step(cpu_s, points, 0) is None
 
 
 def test_ratio_is_undefined_without_both_numbers():
@@ -239,6 +262,7 @@ def _row(target_time_ratio: float | None, speedup: float | None, final: float) -
         "vs_sync": {"time_speedup": speedup, "samples_per_s_ratio": 1.3,
                     "samples_per_s_ratio_whole_run": 1.4, "target": 0.7},
         "shardrl": side | {"eval_samples": 256, "machine_share": None, "curve": SHARDRL,
+                           "cpu_per_step": {"total": final / 3, "update": 0.1},
                            "busy_fraction": {"rollout": 0.9, "learner": None},
                            "hop_s": {"p50": None, "p95": None, "n": 0}},
         "trl": side | {"curve": TRL}, "sync": side | {"curve": SYNC},
@@ -257,6 +281,11 @@ def test_summarize_medians_never_reached_and_standard_errors():
     assert out["shardrl"]["final_pass_se"] == pytest.approx(math.sqrt(0.85 * 0.15 / 256))
     assert out["machine_share"]["median"] is None  # not recorded by the pipeline
     assert out["busy_fraction"]["rollout"]["median"] == 0.9
+    cpu = out["cpu_per_step"]
+    assert cpu["shardrl"]["total"]["median"] == pytest.approx(0.85 / 3)
+    assert cpu["shardrl"]["update"]["median"] == 0.1
+    assert cpu["shardrl"]["rest"]["undefined"] == 3  # a part a run did not report
+    assert cpu["sync"]["total"]["median"] is None
     # pooled over three equal repeats: each repeat's own crossings. Sync's target 0.5 + 0.7 x
     # 0.15 = 0.605: sync at 15 + 15 x 0.055 / 0.1 = 23.25 s, ShardRL at 10 + 10 x 0.005 / 0.2
     # = 10.25 s. TRL's 0.5 + 0.7 x 0.25 = 0.675: TRL at 30 x 0.175 / 0.2 = 26.25 s, ShardRL at

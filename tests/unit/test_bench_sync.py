@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import pytest
-from bench.sync_baseline import PausableClock, SyncTrainer, check_supported
+from bench.sync_baseline import PausableClock, SyncTrainer, check_supported, cpu_per_step
 
 from shardrl.algo import PassRateTracker, RunningMoments
 from shardrl.config import load_config
@@ -47,6 +47,7 @@ def sync_trainer(cfg) -> SyncTrainer:
     trainer.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
                                       min_samples=npr.min_samples)
     trainer.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
+    trainer.cpu_seconds = dict.fromkeys(trainer.seconds, 0.0)
     trainer.groups = trainer.kept_groups = 0
     return trainer
 
@@ -70,9 +71,11 @@ def test_prepare_matches_the_prepare_stage(tmp_path, overrides):
     assert sum(keep) == 4 + 3  # a whole group with signal; the other less its NaN row
 
 
-def test_batch_generates_until_the_learner_would_step():
+def test_batch_generates_until_the_learner_would_step(monkeypatch):
     cfg = load_config("demo", ["rollout.prompts_per_shard=8"])  # batch_prompts 16
     trainer = sync_trainer(cfg)
+    cpu = iter(range(100))  # every reading of the process CPU clock is 1 s after the last
+    monkeypatch.setattr("bench.sync_baseline.time.process_time", lambda: float(next(cpu)))
     kept_per_shard = iter([8, 6, 3, 8])
     calls: list[int] = []
 
@@ -92,6 +95,15 @@ def test_batch_generates_until_the_learner_would_step():
     # 2 shards for 16 groups give 14 kept; 1 more shard for the last 2 gives 17: stop there
     assert calls == [2, 1]
     assert len(table) == 24 and sum(table.column("keep").to_pylist()) == 17
+    # scoring and prepare after each of the 2 calls: 1 s of the fake CPU clock each
+    assert trainer.cpu_seconds == {"generate": 0.0, "score_prepare": 2.0, "update": 0.0}
+
+
+def test_cpu_per_step_splits_the_phases():
+    got = cpu_per_step({"generate": 2.0, "score_prepare": 0.5, "update": 1.5}, 10)
+    assert got == pytest.approx({"total": 0.4, "generate": 0.2, "score_prepare": 0.05,
+                                 "update": 0.15})
+    assert cpu_per_step({"generate": 1.0}, 0) is None
 
 
 def test_batch_sizes_its_calls_by_the_keep_rate_seen():

@@ -30,3 +30,6 @@ def test_busy_is_wall_time_less_pauses_and_generation_is_counted_apart(tmp_path,
     assert flow.paused_s == 3.0 and flow.generating_s == 4.0
     assert flow.busy_s == pytest.approx(7.0)
     assert flow.busy_fraction() == pytest.approx(0.7)
+    flow.sampled(0.25)  # the sampling calls' CPU seconds add up, apart from the wall times
+    flow.sampled(0.5)
+    assert flow.sampling_cpu_s == 0.75 and flow.generating_s == 4.0

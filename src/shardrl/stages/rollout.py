@@ -96,7 +96,7 @@ def main(ctx: StageContext) -> int:
                         "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
             if not shards:
                 continue
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), time.thread_time()
             with ctx.cores.busy():
                 sampling = dict(temperature=rc.temperature, top_p=rc.top_p,
                                 max_new_tokens=rc.max_new_tokens,
@@ -107,6 +107,7 @@ def main(ctx: StageContext) -> int:
                     groups = episodes.run([it for _, items in shards for it in items],
                                           prompt_ids, rc.group_size, **sampling)
             seconds = time.monotonic() - started
+            flow.sampled(time.thread_time() - cpu_started)
             if last is not None:
                 last.result()  # the previous batch is stored (or its error surfaces here)
             at = 0
@@ -191,6 +192,9 @@ class Flow:
         """Seconds spent waiting in `pause` (the backlog was full)."""
         self.generating_s = 0.0
         """Seconds inside generation batches: sampling, scoring and prepare, shard hand-off."""
+        self.sampling_cpu_s = 0.0
+        """CPU seconds of the sampling calls alone (the calling thread's: all of it with
+        `rollout.threads` 1): what the worker spends on the model, apart from the protocol."""
         self.round_kept = 0
         self.round_groups = 0
         self.round_rate = 1.0
@@ -243,6 +247,10 @@ class Flow:
         started = time.monotonic()
         self.arrivals.wait(timeout)
         self.paused_s += time.monotonic() - started
+
+    def sampled(self, cpu_seconds: float) -> None:
+        """A sampling call took `cpu_seconds` of the worker's thread."""
+        self.sampling_cpu_s += cpu_seconds
 
     def generated(self, seconds: float) -> None:
         """A generation batch took `seconds`, from sampling to its shards' hand-off."""
@@ -400,4 +408,5 @@ def _log_metrics(ctx: StageContext, version: int, latest: int, table: pa.Table,
         "busy_fraction": flow.busy_fraction(),
         "busy_s": flow.busy_s,
         "generating_s": flow.generating_s,
+        "sampling_cpu_s": flow.sampling_cpu_s,
     } | episode_metrics(table))
