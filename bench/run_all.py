@@ -219,7 +219,7 @@ def _trl(r: dict) -> Iterator[Row]:
 def _cpu_per_step(cpu: dict, vs: dict) -> Iterator[Row]:
     """CPU milliseconds per optimizer step of each side, by kind of work (medians)."""
     def ms(side: str, part: str) -> str:
-        value = cpu[side][part]["median"]
+        value = cpu[side].get(part, {}).get("median")  # a part older results lack
         return "n/a" if value is None else f"{value * 1000:.0f}"
 
     per = vs["samples_per_step"]
@@ -230,9 +230,10 @@ def _cpu_per_step(cpu: dict, vs: dict) -> Iterator[Row]:
            "encoding, writes and reads, weight publishing and loading, commits, metrics, "
            "start-up)", "", " / ".join(ms("shardrl", p) for p in
                                       ("total", "generate", "update", "evaluate", "rest")))
-    yield ("trl/sync", "CPU ms per optimizer step, sync baseline: all / generation / updates / "
-           "scoring and prepare", "",
-           " / ".join(ms("sync", p) for p in ("total", "generate", "update", "score_prepare")))
+    yield ("trl/sync", "CPU ms per optimizer step, sync baseline: all / sampling calls / "
+           "updates / drawing prompts and building tables / scoring and prepare", "",
+           " / ".join(ms("sync", p) for p in ("total", "generate", "update", "tables",
+                                               "score_prepare")))
     yield ("trl/sync", f"CPU per step ShardRL / sync (samples generated per step: {samples})",
            "", _spread(vs["cpu_per_step_ratio"], suffix="x"))
 

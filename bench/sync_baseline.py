@@ -139,8 +139,11 @@ class SyncTrainer:
         """Prompt groups prepared so far, and those kept by filtering: the keep rate that
         sizes each generation call."""
         self.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
-        self.cpu_seconds = dict.fromkeys(self.seconds, 0.0)
-        """The process's CPU seconds in each phase (every thread's: torch's pool too)."""
+        self.cpu_seconds = {"generate": 0.0, "tables": 0.0, "score_prepare": 0.0,
+                            "update": 0.0}
+        """The process's CPU seconds (every thread's: torch's pool too) in the sampling calls
+        (`generate`), in drawing and encoding prompts and building the shards' tables around
+        them (`tables`), in scoring and prepare, and in updates."""
 
     # -- one round of generation ----------------------------------------------------------
     def _prompts(self, seq: int) -> list:
@@ -166,13 +169,21 @@ class SyncTrainer:
     def generate(self, shards: int, clock: PausableClock,
                  events: list[tuple[float, float]]) -> list:
         """`shards` rollout shards (tables with the ROLLOUT columns) from one batched call."""
+        cpu_started, sampled = time.process_time(), self.cpu_seconds["generate"]
+        try:
+            return self._generate(shards, clock, events)
+        finally:  # all but the sampling call: drawing and encoding prompts, building tables
+            self.cpu_seconds["tables"] += (time.process_time() - cpu_started
+                                           - (self.cpu_seconds["generate"] - sampled))
+
+    def _generate(self, shards: int, clock: PausableClock,
+                  events: list[tuple[float, float]]) -> list:
         import pyarrow as pa
 
+        from shardrl.stages.rollout import MAX_EMPTY_SHARDS
         from shardrl.store.schemas import ROLLOUT
 
         rc, cfg = self.cfg.rollout, self.cfg
-        from shardrl.stages.rollout import MAX_EMPTY_SHARDS
-
         per_shard = [(self.seq + s, self._prompts(self.seq + s)) for s in range(shards)]
         self.seq += shards
         for _, its in per_shard:
@@ -184,14 +195,15 @@ class SyncTrainer:
         items = [it for _, its in per_shard for it in its]
         if not items:
             return []
-        started, cpu_started = time.monotonic(), time.process_time()
+        started = time.monotonic()
         self.model.eval()
         prompt_ids = self.encode([it.prompt for it in items])
+        cpu_started = time.process_time()
         groups = self.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                       top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
                                       seed=cfg.seed * 1_000_003 + per_shard[0][0])
-        self.seconds["generate"] += time.monotonic() - started
         self.cpu_seconds["generate"] += time.process_time() - cpu_started
+        self.seconds["generate"] += time.monotonic() - started
         n = sum(len(g) for g in groups)
         self.counts["generated"] += n
         events.append((clock.now(), float(n)))

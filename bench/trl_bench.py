@@ -61,8 +61,8 @@ Figures per repeat (each reported as median, min and max over repeats):
   step over the whole RL phase, split into the model's work (sampling calls, updates) and the
   rest: for ShardRL those processes' CPU seconds (`cpu_per_step`) with the rollout workers'
   `sampling_cpu_s`, the learner's `busy_cpu_s` and the evaluate stage apart; for the
-  baseline the process CPU of its generation, scoring and prepare, and update phases (its
-  evaluations are off the clock). What ShardRL spends beyond the baseline per step is what
+  baseline the process CPU of its sampling calls, of drawing prompts and building tables, of
+  scoring and prepare, and of updates (its evaluations are off the clock). What ShardRL spends beyond the baseline per step is what
   its concurrency has to win back: its steps/s over the baseline's is the ratio of the cores
   each keeps busy divided by this ratio (up to start-up, which only ShardRL's figure holds).
 - `steady_busy_fraction` (rollout, learner: busy seconds gained between the first and the last
@@ -273,7 +273,7 @@ def rollout_pauses(points: list[Point]) -> list[list[tuple[float, float]]]:
 
 
 CPU_PARTS = {"shardrl": ("total", "generate", "update", "evaluate", "rest"),
-             "sync": ("total", "generate", "update", "score_prepare")}
+             "sync": ("total", "generate", "update", "tables", "score_prepare")}
 """The parts of each side's CPU seconds per step (`cpu_per_step`)."""
 
 PROFILE = {"learn": ("update_s", "commit_s", "read_s", "wait_s"),

@@ -47,7 +47,7 @@ def sync_trainer(cfg) -> SyncTrainer:
     trainer.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
                                       min_samples=npr.min_samples)
     trainer.seconds = {"generate": 0.0, "score_prepare": 0.0, "update": 0.0}
-    trainer.cpu_seconds = dict.fromkeys(trainer.seconds, 0.0)
+    trainer.cpu_seconds = {"generate": 0.0, "tables": 0.0, "score_prepare": 0.0, "update": 0.0}
     trainer.groups = trainer.kept_groups = 0
     return trainer
 
@@ -96,7 +96,30 @@ def test_batch_generates_until_the_learner_would_step(monkeypatch):
     assert calls == [2, 1]
     assert len(table) == 24 and sum(table.column("keep").to_pylist()) == 17
     # scoring and prepare after each of the 2 calls: 1 s of the fake CPU clock each
-    assert trainer.cpu_seconds == {"generate": 0.0, "score_prepare": 2.0, "update": 0.0}
+    assert trainer.cpu_seconds == {"generate": 0.0, "tables": 0.0, "score_prepare": 2.0,
+                                   "update": 0.0}
+
+
+def test_generation_cpu_is_split_into_the_sampling_call_and_the_tables(monkeypatch):
+    trainer = sync_trainer(load_config("demo"))
+    cpu = iter([10.0, 15.0, 20.0, 21.0])
+    monkeypatch.setattr("bench.sync_baseline.time.process_time", lambda: next(cpu))
+
+    def sample(shards, clock, events):  # its sampling call took 3 of the 5 CPU seconds
+        trainer.cpu_seconds["generate"] += 3.0
+        return ["table"] * shards
+
+    trainer._generate = sample
+    assert trainer.generate(2, None, []) == ["table", "table"]
+    assert trainer.cpu_seconds["generate"] == 3.0 and trainer.cpu_seconds["tables"] == 2.0
+
+    def fail(shards, clock, events):  # an error still counts the CPU spent before it
+        raise RuntimeError("no prompt fits")
+
+    trainer._generate = fail
+    with pytest.raises(RuntimeError):
+        trainer.generate(1, None, [])
+    assert trainer.cpu_seconds["tables"] == 3.0
 
 
 def test_cpu_per_step_splits_the_phases():
