@@ -62,9 +62,10 @@ Figures per repeat (each reported as median, min and max over repeats):
   rest: for ShardRL those processes' CPU seconds (`cpu_per_step`) with the rollout workers'
   `sampling_cpu_s`, the learner's `busy_cpu_s` and the evaluate stage apart; for the
   baseline the process CPU of its sampling calls, of drawing prompts and building tables, of
-  scoring and prepare, and of updates (its evaluations are off the clock). What ShardRL spends beyond the baseline per step is what
-  its concurrency has to win back: its steps/s over the baseline's is the ratio of the cores
-  each keeps busy divided by this ratio (up to start-up, which only ShardRL's figure holds).
+  scoring and prepare, and of updates (its evaluations are off the clock). What ShardRL
+  spends beyond the baseline per step is what its concurrency has to win back: its steps/s
+  over the baseline's is the ratio of the cores each keeps busy divided by this ratio (up to
+  start-up, which only ShardRL's figure holds).
 - `steady_busy_fraction` (rollout, learner: busy seconds gained between the first and the last
   new version over that time; a rollout worker is busy whenever it is not paused on its
   backlog, and `rollout_generating` counts only its generation batches; `learner_cpu` counts
@@ -198,14 +199,20 @@ def named(points: list[Point], stages: tuple[str, ...], name: str) -> list[Point
     return sorted((p for p in points if p[1] in names), key=lambda p: p[4])
 
 
-def last_per_writer(points: list[Point]) -> float | None:
-    """Mean over writers of each writer's newest value (a whole-run running figure such
-    as a busy fraction, one per stage process); None without points."""
+def newest_per_writer(points: list[Point]) -> list[float]:
+    """Each writer's newest value (of a running figure, one per stage process)."""
     newest: dict[str, Point] = {}
     for p in points:
         if p[0] not in newest or p[4] >= newest[p[0]][4]:
             newest[p[0]] = p
-    return sum(p[3] for p in newest.values()) / len(newest) if newest else None
+    return [p[3] for p in newest.values()]
+
+
+def last_per_writer(points: list[Point]) -> float | None:
+    """Mean over writers of each writer's newest value (a whole-run running figure such
+    as a busy fraction, one per stage process); None without points."""
+    values = newest_per_writer(points)
+    return sum(values) / len(values) if values else None
 
 
 def pipeline_figures(points: list[Point]) -> dict:
@@ -315,10 +322,9 @@ def cpu_per_step(cpu_s: dict[str, float] | None, points: list[Point],
     remainder: scoring and prepare inline, shard encoding and writes, reads, weight
     publishing and loading, commits, metrics, start-up. None without the figures."""
     def newest(stages: tuple[str, ...], name: str) -> float | None:
-        by_writer: dict[str, Point] = {}
-        for p in named(points, stages, name):
-            by_writer[p[0]] = p  # time order: the newest point of each process wins
-        return sum(p[3] for p in by_writer.values()) if by_writer else None
+        """The sum over processes of a cumulative counter's newest value."""
+        values = newest_per_writer(named(points, stages, name))
+        return sum(values) if values else None
 
     sampling = newest(("rollout",), "sampling_cpu_s")
     update = newest(LEARNER_STAGES, "busy_cpu_s")
