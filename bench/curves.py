@@ -151,6 +151,16 @@ def steady_samples_per_s(version_times: Sequence[float],
     return samples_between(sample_events, times[0], times[-1]) / (times[-1] - times[0])
 
 
+def steps_per_s(version_times: dict[int, float], first: int, last: int) -> float | None:
+    """Optimizer steps per second from version `first` to version `last`: `last - first`
+    over the time between their publications (`version_times`: version -> seconds). None
+    when either was not reached or no time passed between them."""
+    start, end = version_times.get(first), version_times.get(last)
+    if start is None or end is None or last <= first or end <= start:
+        return None
+    return (last - first) / (end - start)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation between order statistics;
     None for no values."""

@@ -159,6 +159,21 @@ def _trl(r: dict) -> Iterator[Row]:
                    f"{_num(p['sync'], suffix=' s')}, ShardRL {_num(p['shardrl'], suffix=' s')}",
                    ">= 1.25x", _num(r["pooled"]["sync_time_speedup"],
                                     none="ShardRL never reached", suffix="x"))
+        if "early_steps_per_s_ratio" in vs:
+            lo, hi = vs["early_versions"]
+            per = vs["early_steps_per_s"]
+            yield ("trl/sync", f"the speedup taken apart (1): optimizer steps/s from version {lo} "
+                   f"to {hi}, ShardRL / sync (medians: {_num(per['shardrl']['median'], '.1f')} / "
+                   f"{_num(per['sync']['median'], '.1f')})", "",
+                   _spread(vs["early_steps_per_s_ratio"], suffix="x"))
+            per = vs["versions_to_target"]
+            yield ("trl/sync", "the speedup taken apart (2): versions to the same target, sync / "
+                   f"ShardRL, each read between its evaluations (medians: "
+                   f"{_num(per['sync']['median'], '.1f')} / {_num(per['shardrl']['median'], '.1f')}; "
+                   "below 1: "
+                   "a ShardRL step learned less)", "",
+                   _spread(vs["versions_to_target_ratio"], none="ShardRL never reached",
+                           suffix="x"))
         yield ("trl/sync", "steady-state samples/s ShardRL / sync (first to last new version)",
                "", _spread(vs["samples_per_s_ratio"], suffix="x"))
         yield ("trl/sync", "samples/s ShardRL / sync (whole runs, start-up included)", "",

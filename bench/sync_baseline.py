@@ -392,7 +392,8 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
         if at >= budget:
             break
     seconds = curve[-1][0]
-    return {"curve": curve, "curve_versions": curve_versions, "seconds": seconds,
+    return {"curve": curve, "curve_versions": curve_versions, "step_times": step_times,
+            "seconds": seconds,
             "steps": trainer.version,
             "samples": trainer.counts["generated"], **{k: v for k, v in trainer.counts.items()
                                                        if k != "generated"},

@@ -55,6 +55,12 @@ Figures per repeat (each reported as median, min and max over repeats):
   version over the time between them (`bench.curves.steady_samples_per_s`; ShardRL: from the
   learner's per-step and the rollout's per-shard metric times; the baseline: on its clock).
   `samples_per_s_ratio_whole_run` divides the whole-run rates instead.
+- `vs_sync.early_steps_per_s_ratio` and `vs_sync.versions_to_target_ratio`: the time speedup
+  taken apart. The first is ShardRL's optimizer steps per second over the baseline's between
+  versions 1 and 30 (`EARLY_VERSIONS`), where the target is crossed; the second the versions
+  the baseline needed to reach the target over ShardRL's, each read between its evaluations.
+  Start-up aside, their product is the speedup: a ShardRL step comes faster, and learns less
+  when its samples are a version or more old.
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
   processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
 - `cpu_per_step` (each side) and `vs_sync.cpu_per_step_ratio`: CPU seconds per optimizer
@@ -119,7 +125,9 @@ from bench.curves import (
     spread,
     steady_busy_fraction,
     steady_samples_per_s,
+    steps_per_s,
     time_to_reach,
+    time_to_reach_interpolated,
     time_to_target,
 )
 
@@ -128,6 +136,9 @@ MACHINE_STAGES = ("rollout", "score", "prepare", "learn", "evaluate")
 """ShardRL's RL-phase stages whose CPU time counts in its machine share."""
 LEARNER_STAGES = ("learn", "learner")
 """Metric namespaces the learner's figures may come under."""
+EARLY_VERSIONS = (1, 30)
+"""The versions between which each side's early steps/s are read (`vs_sync.early_steps_per_s`):
+on the demo both systems cross the baseline's 70% target between about version 15 and 50."""
 
 
 # -- curve figures (pure) ------------------------------------------------------------------
@@ -169,10 +180,28 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
     samples/s, ShardRL's over the baseline's; `samples_per_s_ratio_whole_run`: whole runs.
     `cpu_per_step_ratio`: CPU seconds per optimizer step, ShardRL's (all its RL processes)
     over the baseline's; `samples_per_step`: generated samples per step of each.
+
+    The time speedup is, start-up aside, the product of two figures: `early_steps_per_s_ratio`,
+    ShardRL's steps/s over the baseline's between `EARLY_VERSIONS` (each side's
+    `version_times`, or the baseline's `step_times`), and `versions_to_target_ratio`, the
+    versions the baseline needed to reach the target over ShardRL's, each read between its
+    evaluations (`version_curve`, or the baseline's `curve_versions`): below 1 when a
+    ShardRL step, trained on samples of older versions, learned less than an on-policy one.
+    Either is None when a side lacks the figures or never got there.
     """
     target = time_to_target(sync["curve"], shardrl["curve"])
     sync_t, shardrl_t = target["seconds"]
     sync_x, shardrl_x = target["crossing"]
+    sync_times = {i + 1: t for i, t in enumerate(sync.get("step_times") or [])}
+    early = {"shardrl": steps_per_s(version_times(shardrl), *EARLY_VERSIONS),
+             "sync": steps_per_s(sync_times, *EARLY_VERSIONS)}
+    sync_versions = sync.get("curve_versions")
+    curves = {"shardrl": shardrl.get("version_curve"),
+              "sync": None if sync_versions is None else
+              [(float(v), p) for v, (_, p) in zip(sync_versions, sync["curve"], strict=True)]}
+    versions = {side: None if curve is None or target["target"] is None
+                else time_to_reach_interpolated(curve, target["target"])
+                for side, curve in curves.items()}
     return {"v0": target["v0"], "sync_best_pass": target["best"], "target": target["target"],
             "sync_seconds_to_target": sync_t, "shardrl_seconds_to_target": shardrl_t,
             "time_speedup": ratio(sync_t, shardrl_t),
@@ -185,7 +214,17 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
             "cpu_per_step_ratio": ratio((shardrl.get("cpu_per_step") or {}).get("total"),
                                         (sync.get("cpu_per_step") or {}).get("total")),
             "samples_per_step": {side: r["samples"] / r["steps"] if r.get("steps") else None
-                                 for side, r in (("shardrl", shardrl), ("sync", sync))}}
+                                 for side, r in (("shardrl", shardrl), ("sync", sync))},
+            "early_steps_per_s": early,
+            "early_steps_per_s_ratio": ratio(early["shardrl"], early["sync"]),
+            "versions_to_target": versions,
+            "versions_to_target_ratio": ratio(versions["sync"], versions["shardrl"])}
+
+
+def version_times(shardrl: dict) -> dict[int, float]:
+    """ShardRL's `version_times` (version -> seconds since its RL phase began), with the
+    versions as integers again after a trip through JSON."""
+    return {int(v): t for v, t in (shardrl.get("version_times") or {}).items()}
 
 
 # -- ShardRL side --------------------------------------------------------------------------
@@ -224,10 +263,7 @@ def pipeline_figures(points: list[Point]) -> dict:
     the learner's per-step median `hop_s`, and the largest per-step `hop_max_s`. Figures the
     stages did not report are None.
     """
-    published: dict[int, float] = {}
-    for _, _, step, _, t in named(points, LEARNER_STAGES, "update_s"):
-        if step >= 1:
-            published[step] = min(published.get(step, t), t)
+    published = published_times(points)
     samples = [(t, v) for _, _, _, v, t in named(points, ("rollout",), "samples")]
     hops = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_s")]
     hop_max = [v for _, _, _, v, _ in named(points, LEARNER_STAGES, "hop_max_s")]
@@ -252,6 +288,16 @@ def pipeline_figures(points: list[Point]) -> dict:
         "idle_together": idle_together(learner_waits(points),
                                        rollout_pauses(points), window),
     }
+
+
+def published_times(points: list[Point]) -> dict[int, float]:
+    """Each policy version's publication time (unix seconds): the time of the learner's
+    first step metric at that version (`update_s`, logged as the step commits)."""
+    published: dict[int, float] = {}
+    for _, _, step, _, t in named(points, LEARNER_STAGES, "update_s"):
+        if step >= 1:
+            published[step] = min(published.get(step, t), t)
+    return published
 
 
 def learner_waits(points: list[Point]) -> list[tuple[float, float]]:
@@ -369,11 +415,12 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
     store, keys = LocalStore(WORK), RunKeys(run_id)
     run, done = store.get_json(keys.run_json()), store.get_json(keys.done())
     start = run["created"] + run["snapshot_seconds"]
-    curve, eval_samples = [], None
+    curve, version_curve, eval_samples = [], [], None
     for key in sorted(k for k in store.list(keys.root + "eval/") if k.endswith(".json")):
         summary = store.get_json(key)
         # the version's publish time, kept in its summary (its weights may be deleted)
         curve.append((max(0.0, summary["published"] - start), summary["pass_at_1"]))
+        version_curve.append((float(summary["version"]), summary["pass_at_1"]))
         eval_samples = summary["prompts"] * summary["samples_per_prompt"]
     runner = store.get_json(keys.state("runner", "summary.json"))
     cpu_s, rl_wall_s = runner.get("cpu_s"), runner.get("rl_wall_s")
@@ -382,7 +429,9 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
         share = machine_share(cpu_s, MACHINE_STAGES, os.cpu_count() or 1, rl_wall_s)
     snapshot = download_folder(store, keys.policy_prefix(0), WORK / f"{run_id}-snapshot")
     points = metric_points(store, keys)
-    return {"curve": sorted(curve), "seconds": done["time"] - start, "steps": done["steps"],
+    return {"curve": sorted(curve), "version_curve": sorted(version_curve),
+            "version_times": {v: t - start for v, t in sorted(published_times(points).items())},
+            "seconds": done["time"] - start, "steps": done["steps"],
             "samples": runner["accounting"]["generated"],
             "consumed": runner["accounting"]["consumed"], "eval_samples": eval_samples,
             "cpu_s": cpu_s, "rl_wall_s": rl_wall_s, "machine_share": share,
@@ -592,6 +641,18 @@ def summarize(rows: list[dict]) -> dict:
             "samples_per_step": {
                 side: over(lambda r, s=side: r["vs_sync"].get("samples_per_step", {}).get(s))
                 for side in ("shardrl", "sync")},
+            "early_steps_per_s": {
+                side: over(lambda r, s=side: r["vs_sync"].get("early_steps_per_s", {}).get(s))
+                for side in ("shardrl", "sync")},
+            "early_versions": list(EARLY_VERSIONS),
+            "early_steps_per_s_ratio":
+                over(lambda r: r["vs_sync"].get("early_steps_per_s_ratio")),
+            "versions_to_target": {
+                side: over(lambda r, s=side: r["vs_sync"].get("versions_to_target", {}).get(s),
+                           "high")
+                for side in ("shardrl", "sync")},
+            "versions_to_target_ratio":
+                over(lambda r: r["vs_sync"].get("versions_to_target_ratio"), "low"),
         },
         "cpu_per_step": {
             side: {part: over(lambda r, s=side, p=part:

@@ -19,6 +19,7 @@ from bench.curves import (
     samples_between,
     spread,
     steady_samples_per_s,
+    steps_per_s,
     target_pass,
     time_to_reach,
     time_to_reach_interpolated,
@@ -26,7 +27,7 @@ from bench.curves import (
     union,
     value_at,
 )
-from bench.run_all import _spread
+from bench.run_all import _spread, _trl
 from bench.trl_bench import (
     MACHINE_STAGES,
     compare,
@@ -128,6 +129,41 @@ def test_compare_sync_speedup_and_sample_rates():
                        {**sync, "cpu_per_step": {"total": 0.2}, "samples": 500, "steps": 2})
     assert cpu["cpu_per_step_ratio"] == pytest.approx(1.5)
     assert cpu["samples_per_step"] == {"shardrl": 300.0, "sync": 250.0}
+
+
+def test_steps_per_s_between_two_versions():
+    times = {1: 0.5, 2: 0.6, 30: 3.4}
+    assert steps_per_s(times, 1, 30) == pytest.approx(29 / 2.9)  # 10 steps/s
+    assert steps_per_s(times, 2, 30) == pytest.approx(28 / 2.8)
+    assert steps_per_s(times, 1, 40) is None  # version 40 never published
+    assert steps_per_s({1: 1.0, 30: 1.0}, 1, 30) is None  # no time between them
+    assert steps_per_s(times, 30, 1) is None
+
+
+def test_compare_sync_takes_the_speedup_apart_into_step_rate_and_steps_needed():
+    # ShardRL: versions 1 and 30 published at 1.0 s and 3.9 s (keys as strings, as after a
+    # trip through JSON): 29 / 2.9 = 10 steps/s; sync: version k at 2.0 + 0.2 (k - 1) s, so
+    # version 30 at 7.8 s: 29 / 5.8 = 5 steps/s; ratio 2
+    shardrl = {"curve": SHARDRL, "samples_per_s": 1.0, "version_times": {"1": 1.0, "30": 3.9},
+               "version_curve": [(0.0, 0.5), (10.0, 0.6), (20.0, 0.8), (40.0, 0.9)]}
+    sync = {"curve": SYNC, "samples_per_s": 1.0, "curve_versions": [0, 6, 14, 20],
+            "step_times": [2.0 + 0.2 * i for i in range(30)]}
+    got = compare_sync(shardrl, sync)
+    assert got["early_steps_per_s"] == {"shardrl": pytest.approx(10.0),
+                                        "sync": pytest.approx(5.0)}
+    assert got["early_steps_per_s_ratio"] == pytest.approx(2.0)
+    # the target 0.605 (sync's): sync's (version, pass@1) points (6, 0.55) and (14, 0.65)
+    # give 6 + 8 x 0.055 / 0.1 = 10.4; ShardRL's (10, 0.6) and (20, 0.8) give
+    # 10 + 10 x 0.005 / 0.2 = 10.25
+    assert got["versions_to_target"] == {"shardrl": pytest.approx(10.25),
+                                         "sync": pytest.approx(10.4)}
+    assert got["versions_to_target_ratio"] == pytest.approx(10.4 / 10.25)
+    # without the figures (older results), both are undefined
+    bare = compare_sync({"curve": SHARDRL, "samples_per_s": 1.0},
+                        {"curve": SYNC, "samples_per_s": 1.0})
+    assert bare["early_steps_per_s_ratio"] is None
+    assert bare["versions_to_target"] == {"shardrl": None, "sync": None}
+    assert bare["versions_to_target_ratio"] is None
 
 
 def test_cpu_per_step_splits_shardrls_cpu_by_kind_of_work():
@@ -260,7 +296,12 @@ def _row(target_time_ratio: float | None, speedup: float | None, final: float) -
         "time_ratio": None, "pass_gap": 0.0, "samples_per_s_ratio": 1.2,
         "target_time_ratio": target_time_ratio, "target": 0.8,
         "vs_sync": {"time_speedup": speedup, "samples_per_s_ratio": 1.3,
-                    "samples_per_s_ratio_whole_run": 1.4, "target": 0.7},
+                    "samples_per_s_ratio_whole_run": 1.4, "target": 0.7,
+                    "early_steps_per_s": {"shardrl": 10.0 * final, "sync": 6.0},
+                    "early_steps_per_s_ratio": 10.0 * final / 6.0,
+                    "versions_to_target": {"shardrl": None if speedup is None else 20.0,
+                                           "sync": 15.0},
+                    "versions_to_target_ratio": None if speedup is None else 0.75},
         "shardrl": side | {"eval_samples": 256, "machine_share": None, "curve": SHARDRL,
                            "cpu_per_step": {"total": final / 3, "update": 0.1},
                            "busy_fraction": {"rollout": 0.9, "learner": None},
@@ -286,6 +327,15 @@ def test_summarize_medians_never_reached_and_standard_errors():
     assert cpu["shardrl"]["update"]["median"] == 0.1
     assert cpu["shardrl"]["rest"]["undefined"] == 3  # a part a run did not report
     assert cpu["sync"]["total"]["median"] is None
+    vs = out["vs_sync"]
+    assert vs["early_versions"] == [1, 30]
+    assert vs["early_steps_per_s"]["shardrl"]["median"] == pytest.approx(8.5)
+    assert vs["early_steps_per_s_ratio"]["median"] == pytest.approx(8.5 / 6.0)
+    # a repeat that never reached the target: the most versions, the lowest ratio
+    assert vs["versions_to_target"]["shardrl"] == {"median": 20.0, "min": 20.0, "max": None,
+                                                   "undefined": 1}
+    assert vs["versions_to_target_ratio"] == {"median": 0.75, "min": None, "max": 0.75,
+                                              "undefined": 1}
     # pooled over three equal repeats: each repeat's own crossings. Sync's target 0.5 + 0.7 x
     # 0.15 = 0.605: sync at 15 + 15 x 0.055 / 0.1 = 23.25 s, ShardRL at 10 + 10 x 0.005 / 0.2
     # = 10.25 s. TRL's 0.5 + 0.7 x 0.25 = 0.675: TRL at 30 x 0.175 / 0.2 = 26.25 s, ShardRL at
@@ -297,6 +347,17 @@ def test_summarize_medians_never_reached_and_standard_errors():
     assert p["sync_time_speedup"] == pytest.approx(23.25 / 10.25)
     assert p["vs_trl"]["trl"] == pytest.approx(26.25)
     assert p["target_time_ratio"] == pytest.approx(13.75 / 26.25)
+
+
+def test_table_rows_take_the_sync_speedup_apart():
+    out = summarize([_row(0.4, 2.0, 0.9), _row(None, None, 0.8), _row(0.6, 1.5, 0.85)])
+    rows = {name: cell for _, name, _, cell in _trl(out | {"repeats": 3})}
+    rate = next(name for name in rows if name.startswith("the speedup taken apart (1)"))
+    assert "from version 1 to 30" in rate and "(medians: 8.5 / 6.0)" in rate
+    assert rows[rate] == "1.42x (1.33x to 1.50x)"
+    steps = next(name for name in rows if name.startswith("the speedup taken apart (2)"))
+    assert "(medians: 15.0 / 20.0;" in steps
+    assert rows[steps].startswith("0.75x (ShardRL never reached to 0.75x)")
 
 
 def test_table_cell_of_a_spread():
