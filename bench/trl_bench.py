@@ -138,7 +138,7 @@ LEARNER_STAGES = ("learn", "learner")
 """Metric namespaces the learner's figures may come under."""
 EARLY_VERSIONS = (1, 30)
 """The versions between which each side's early steps/s are read (`vs_sync.early_steps_per_s`):
-on the demo both systems cross the baseline's 70% target between about version 15 and 50."""
+on the demo both systems cross the baseline's 70% target between about version 10 and 50."""
 
 
 # -- curve figures (pure) ------------------------------------------------------------------
