@@ -170,8 +170,7 @@ def _trl(r: dict) -> Iterator[Row]:
             yield ("trl/sync", "the speedup taken apart (2): versions to the same target, sync / "
                    f"ShardRL, each read between its evaluations (medians: "
                    f"{_num(per['sync']['median'], '.1f')} / {_num(per['shardrl']['median'], '.1f')}; "
-                   "below 1: "
-                   "a ShardRL step learned less)", "",
+                   "below 1: a ShardRL step learned less)", "",
                    _spread(vs["versions_to_target_ratio"], none="ShardRL never reached",
                            suffix="x"))
         yield ("trl/sync", "steady-state samples/s ShardRL / sync (first to last new version)",
