@@ -110,9 +110,12 @@ class SeaweedServer:
             Path(f"/tmp/seaweedfs-{component}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def make_bucket(self, name: str, timeout_s: float = 60.0) -> None:
-        """Create bucket `name` and wait until an object can be written to it."""
+        """Create bucket `name` (if this server does not have it yet: a module's fixture is set
+        up again when its tests do not run in a row) and wait until an object can be written
+        to it."""
         client = self.client()
-        client.make_bucket(name)
+        if not client.bucket_exists(name):
+            client.make_bucket(name)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

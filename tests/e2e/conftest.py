@@ -75,9 +75,11 @@ def processes() -> list[tuple[int, list[bytes], str]]:
 
 def stage_pids(name: str, run_id: str) -> list[int]:
     """Processes running stage NAME of run RUN_ID: started as `shardrl stage NAME ... --run-id
-    RUN_ID`, or forked by that run's runner (named `stage:NAME`)."""
+    RUN_ID`, or forked by that run's runner (named `stage:NAME`, with the runner's arguments).
+    Tests run side by side (`make test` runs two at once), so the run id must be one of the
+    arguments, not merely inside one."""
     from shardrl.orchestrate.fork import process_title
 
     return [pid for pid, cmd, comm in processes()
-            if any(run_id.encode() in c for c in cmd)
+            if run_id.encode() in cmd  # an argument of its own: not part of a path or a setting
             and ((b"stage" in cmd and name.encode() in cmd) or comm == process_title(name))]
