@@ -445,11 +445,17 @@ TRL_SCALE = {"batch": "batch", "prompt": "group", "none": "none"}
 
 
 def trl_loss_args(loss) -> dict:
-    """GRPOConfig arguments for our policy loss; only CISPO has a TRL counterpart here."""
-    if loss.kind != "cispo":
-        raise ValueError(f"loss {loss.kind!r} has no TRL mapping here: use algo.loss.kind=cispo")
-    # TRL's cispo clamps the ratio at `epsilon_high` itself (an absolute cap, like max_ratio)
-    return {"loss_type": "cispo", "epsilon_high": loss.max_ratio}
+    """GRPOConfig arguments for our policy loss: CISPO, and PPO's clip without a dual clip (TRL's
+    `dapo`: the clipped surrogate, token losses averaged over the batch's tokens, as its
+    `cispo` averages them); the other losses have no TRL counterpart here."""
+    if loss.kind == "cispo":
+        # TRL's cispo clamps the ratio at `epsilon_high` itself (an absolute cap, like max_ratio)
+        return {"loss_type": "cispo", "epsilon_high": loss.max_ratio}
+    if loss.kind == "ppo" and loss.dual_clip is None:
+        # clip range [1 - epsilon, 1 + epsilon_high], as ours is [1 - eps_low, 1 + eps_high]
+        return {"loss_type": "dapo", "epsilon": loss.eps_low, "epsilon_high": loss.eps_high}
+    raise ValueError(f"loss {loss.kind!r} (as configured) has no TRL mapping here: use "
+                     "algo.loss.kind=cispo, or ppo without dual_clip")
 
 
 def verifier_reward(verify: Callable[[str, str], float]) -> Callable[..., list[float]]:

@@ -66,11 +66,16 @@ def test_verifier_reward_scores_with_the_task_checker():
     assert reward([" dbga\n", "dbgb"], ["dbga", "dbga"], prompts=["cafj="] * 2) == [1.0, 0.0]
 
 
-def test_only_cispo_maps_to_trl():
+def test_cispo_and_ppo_clip_map_to_trl():
     assert trl_loss_args(SimpleNamespace(kind="cispo", max_ratio=4.0)) == {
         "loss_type": "cispo", "epsilon_high": 4.0}
-    with pytest.raises(ValueError, match="cispo"):
-        trl_loss_args(SimpleNamespace(kind="ppo"))
+    assert trl_loss_args(SimpleNamespace(kind="ppo", eps_low=0.2, eps_high=0.28,
+                                         dual_clip=None)) == {
+        "loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}
+    with pytest.raises(ValueError, match="ppo without dual_clip"):
+        trl_loss_args(SimpleNamespace(kind="ppo", eps_low=0.2, eps_high=0.2, dual_clip=3.0))
+    with pytest.raises(ValueError, match="'gspo'"):
+        trl_loss_args(SimpleNamespace(kind="gspo"))
 
 
 class _Model:
