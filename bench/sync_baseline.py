@@ -393,8 +393,7 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
             break
     seconds = curve[-1][0]
     return {"curve": curve, "curve_versions": curve_versions, "step_times": step_times,
-            "seconds": seconds,
-            "steps": trainer.version,
+            "seconds": seconds, "steps": trainer.version,
             "samples": trainer.counts["generated"], **{k: v for k, v in trainer.counts.items()
                                                        if k != "generated"},
             "samples_per_s": trainer.counts["generated"] / seconds,
