@@ -86,13 +86,15 @@ Figures per repeat (each reported as median, min and max over repeats):
 
 What still differs between TRL and ShardRL (TRL 1.16 has no equivalent, or the config has no
 TRL mapping):
-- TRL's `cispo` loss averages over all completion tokens of the batch; ShardRL's demo uses
-  prompt-level aggregation (each group's token mean, then the mean over groups).
+- TRL's `dapo` loss (PPO's clip, the demo's loss) averages over all completion tokens of the
+  batch, as its `cispo` does; ShardRL's demo uses prompt-level aggregation (each group's token
+  mean, then the mean over groups).
 - TRL keeps groups whose rewards are all equal in its 16-prompt batch (advantage 0, their
   tokens still count in the loss denominator); ShardRL and the baseline filter them out and
   fill each step with 16 groups that carry signal, so they generate more samples per step.
 - TRL and the baseline train on-policy (one update per generation batch, ratio 1); ShardRL
-  learns from samples up to k=8 versions old with the CISPO ratio capped at `max_ratio`.
+  learns from samples up to k=8 versions old, its ratio to the behaviour policy clipped to
+  1 +- 0.2 (or, with CISPO, the weight capped at `max_ratio`).
 - All normalise advantages by the batch std (TRL adds 1e-4 to it); none has a KL term.
 
     .venv/bin/python -m bench.trl_bench --repeats 3

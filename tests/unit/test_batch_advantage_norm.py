@@ -45,7 +45,8 @@ def test_the_learner_divides_the_batch_by_its_std(tiny_policy):
     table = table.append_column("behavior_logprobs", pa.array(logp.tolist(),
                                                                pa.list_(pa.float32()))) \
         .append_column("ref_logprobs", pa.array([None] * 4, pa.list_(pa.float32())))
-    base = ["algo.aggregation=token", "algo.kl.placement=none", "algo.entropy_coef=0.0"]
+    base = ["algo.loss={kind: cispo}", "algo.aggregation=token", "algo.kl.placement=none",
+            "algo.entropy_coef=0.0"]
     loss, _, _ = compute_loss(load_config("demo", base + ["algo.advantages.norm=batch"]),
                               policy, table, 0, beta=0.0)
     # ratio 1 (behaviour = learner): CISPO's loss is -A * logprob, A / (std + 1e-6) with std

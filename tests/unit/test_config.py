@@ -110,12 +110,14 @@ def test_extends_file_and_overrides(tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text("extends: demo\nlearner: {lr: 0.002}\n")
     child = tmp_path / "child.yaml"
-    child.write_text("extends: base.yaml\nalgo:\n  loss: {kind: ppo, eps_high: 0.28}\n")
+    child.write_text("extends: base.yaml\nalgo:\n  loss: {kind: cispo, max_ratio: 2.0}\n")
     cfg = load_config(child, ["learner.total_steps=7", "eval.every=7"])
     assert cfg.learner.lr == 0.002
     assert cfg.learner.total_steps == 7
     # switching the variant replaces the parent's loss mapping rather than merging into it
-    assert cfg.algo.loss.kind == "ppo" and cfg.algo.loss.eps_high == 0.28
+    assert load_config("demo").algo.loss.kind == "ppo"
+    assert cfg.algo.loss.kind == "cispo" and cfg.algo.loss.max_ratio == 2.0
+    assert not hasattr(cfg.algo.loss, "eps_high")
 
 
 def test_unknown_preset_suggests(tmp_path):

@@ -150,7 +150,8 @@ def test_only_the_policys_tokens_get_loss(tiny_policy):
     batch = build_batch(table, 0)
     with torch.no_grad():
         logp = policy(batch.input_ids, batch.attention_mask, batch.response_start).logprobs
-    cfg = load_config("demo", ["algo.aggregation=token", "algo.kl.placement=none",
+    cfg = load_config("demo", ["algo.loss={kind: cispo}", "algo.aggregation=token",
+                               "algo.kl.placement=none",
                                "algo.advantages.norm=none"])
 
     def loss_with(behaviour):

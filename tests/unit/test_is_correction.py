@@ -66,7 +66,7 @@ def _table(policy: PolicyModule, shift: list[float]) -> pa.Table:
 
 def _config(enabled: bool):
     return load_config("demo", [
-        "algo.aggregation=token", "algo.loss.max_ratio=4.0", "rollout.temperature=1.0",
+        "algo.aggregation=token", "algo.loss={kind: cispo, max_ratio: 4.0}", "rollout.temperature=1.0",
         "algo.advantages.norm=none",
         "algo.kl.placement=none", f"algo.is_correction.enabled={str(enabled).lower()}",
         "algo.is_correction.cap=2.0", "algo.entropy_coef=0.0"])
@@ -109,8 +109,8 @@ def test_icepop_mode_drops_the_tokens_the_engines_disagree_on(tiny_policy):
     # on token 1 (k = 4, outside): token 1 gets no gradient at all
     table = _table(policy, [math.log(1.5), -LN4])
     cfg = load_config("demo", [
-        "algo.aggregation=token", "algo.kl.placement=none", "algo.entropy_coef=0.0",
-        "algo.advantages.norm=none", "algo.is_correction.enabled=true",
+        "algo.loss={kind: cispo}", "algo.aggregation=token", "algo.kl.placement=none",
+        "algo.entropy_coef=0.0", "algo.advantages.norm=none", "algo.is_correction.enabled=true",
         "algo.is_correction.mode=mask",
         "algo.is_correction.low=0.5", "algo.is_correction.cap=2.0"])
     loss, metrics, batch = compute_loss(cfg, policy, table, 0, beta=0.0)
