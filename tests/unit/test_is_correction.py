@@ -66,8 +66,8 @@ def _table(policy: PolicyModule, shift: list[float]) -> pa.Table:
 
 def _config(enabled: bool):
     return load_config("demo", [
-        "algo.aggregation=token", "algo.loss={kind: cispo, max_ratio: 4.0}", "rollout.temperature=1.0",
-        "algo.advantages.norm=none",
+        "algo.aggregation=token", "algo.loss={kind: cispo, max_ratio: 4.0}",
+        "rollout.temperature=1.0", "algo.advantages.norm=none",
         "algo.kl.placement=none", f"algo.is_correction.enabled={str(enabled).lower()}",
         "algo.is_correction.cap=2.0", "algo.entropy_coef=0.0"])
 
