@@ -151,8 +151,7 @@ def test_only_the_policys_tokens_get_loss(tiny_policy):
     with torch.no_grad():
         logp = policy(batch.input_ids, batch.attention_mask, batch.response_start).logprobs
     cfg = load_config("demo", ["algo.loss={kind: cispo}", "algo.aggregation=token",
-                               "algo.kl.placement=none",
-                               "algo.advantages.norm=none"])
+                               "algo.kl.placement=none", "algo.advantages.norm=none"])
 
     def loss_with(behaviour):
         t = table.append_column("behavior_logprobs", pa.array(behaviour, pa.list_(pa.float32())))
