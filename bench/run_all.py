@@ -173,6 +173,8 @@ def _trl(r: dict) -> Iterator[Row]:
                    "below 1: a ShardRL step learned less)", "",
                    _spread(vs["versions_to_target_ratio"], none="ShardRL never reached",
                            suffix="x"))
+            if "early_update_cpu_ms" in vs:
+                yield from _early(r, vs, lo, hi)
         yield ("trl/sync", "steady-state samples/s ShardRL / sync (first to last new version)",
                "", _spread(vs["samples_per_s_ratio"], suffix="x"))
         yield ("trl/sync", "samples/s ShardRL / sync (whole runs, start-up included)", "",
@@ -228,6 +230,29 @@ def _trl(r: dict) -> Iterator[Row]:
                "the per-step medians / max", "",
                " / ".join(_spread(hop.get(q), ".2f", "not recorded")
                           for q in ("p50", "p95", "max")))
+
+
+def _early(r: dict, vs: dict, lo: int, hi: int) -> Iterator[Row]:
+    """Where the targets are crossed: each side's milliseconds per step, its update's CPU
+    and kept rows, and ShardRL's busy fractions there (medians)."""
+    def med(figure: dict, side: str, spec: str = ".0f") -> str:
+        return _num(figure[side]["median"], spec)
+
+    per, cpu, rows = vs["early_steps_per_s"], vs["early_update_cpu_ms"], vs["early_rows_per_step"]
+    step_ms = {s: (None if per[s]["median"] is None else 1000.0 / per[s]["median"])
+               for s in ("shardrl", "sync")}
+    yield ("trl/sync", f"the speedup taken apart (3), versions {lo} to {hi} (medians): ms per "
+           "step / CPU ms of its update / kept rows it trains on, ShardRL | sync", "",
+           f"{_num(step_ms['shardrl'], '.0f')} / {med(cpu, 'shardrl')} / "
+           f"{med(rows, 'shardrl')} | {_num(step_ms['sync'], '.0f')} / {med(cpu, 'sync')} / "
+           f"{med(rows, 'sync')}")
+    busy = r.get("early_busy_fraction", {})
+    if busy:
+        yield ("trl/sync", f"ShardRL, versions {lo} to {hi}: rollout busy / generating (mean "
+               "over workers) / learner busy, wall / learner updates, CPU (medians; a learner "
+               "near 1 with idle workers: its update sets the step rate)", "",
+               " / ".join(_num(busy[n]["median"]) for n in
+                          ("rollout", "rollout_generating", "learner", "learner_cpu")))
 
 
 def _cpu_per_step(cpu: dict, vs: dict) -> Iterator[Row]:

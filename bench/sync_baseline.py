@@ -144,6 +144,10 @@ class SyncTrainer:
         """The process's CPU seconds (every thread's: torch's pool too) in the sampling calls
         (`generate`), in drawing and encoding prompts and building the shards' tables around
         them (`tables`), in scoring and prepare, and in updates."""
+        self.step_update_cpu_s: list[float] = []
+        self.step_rows: list[int] = []
+        """Per applied step, in order (entry i made version i + 1): the CPU seconds of its
+        update and the kept rows it trained on."""
 
     # -- one round of generation ----------------------------------------------------------
     def _prompts(self, seq: int) -> list:
@@ -324,8 +328,11 @@ class SyncTrainer:
         applied, _ = self.backend.step(loss)
         self.model.eval()
         self.seconds["update"] += time.monotonic() - started
-        self.cpu_seconds["update"] += time.process_time() - cpu_started
+        cpu = time.process_time() - cpu_started
+        self.cpu_seconds["update"] += cpu
         if applied:
+            self.step_update_cpu_s.append(cpu)
+            self.step_rows.append(len(kept))
             self.version += 1
             self.engine.version = self.version
         else:
@@ -401,6 +408,7 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
             "startup_seconds": started, "eval_seconds": clock.paused_s,
             "phase_seconds": trainer.seconds, "phase_cpu_seconds": trainer.cpu_seconds,
             "cpu_per_step": cpu_per_step(trainer.cpu_seconds, trainer.version),
+            "step_update_cpu_s": trainer.step_update_cpu_s, "step_rows": trainer.step_rows,
             "threads": trainer.threads}
 
 

@@ -219,8 +219,22 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
                                  for side, r in (("shardrl", shardrl), ("sync", sync))},
             "early_steps_per_s": early,
             "early_steps_per_s_ratio": ratio(early["shardrl"], early["sync"]),
+            "early_update_cpu_ms": {"shardrl": shardrl.get("early", {}).get("update_cpu_ms"),
+                                    "sync": early_mean(sync.get("step_update_cpu_s"), 1000.0)},
+            "early_rows_per_step": {"shardrl": shardrl.get("early", {}).get("rows"),
+                                    "sync": early_mean(sync.get("step_rows"))},
             "versions_to_target": versions,
             "versions_to_target_ratio": ratio(versions["sync"], versions["shardrl"])}
+
+
+def early_mean(per_step: list[float] | None, scale: float = 1.0) -> float | None:
+    """The mean of a per-step list of the baseline (entry i: the step that made version i +
+    1) over the steps after version `EARLY_VERSIONS[0]` up to `EARLY_VERSIONS[1]`, times
+    `scale`; None when the list is missing or shorter."""
+    lo, hi = EARLY_VERSIONS
+    if not per_step or len(per_step) < hi:
+        return None
+    return scale * sum(per_step[lo:hi]) / (hi - lo)
 
 
 def version_times(shardrl: dict) -> dict[int, float]:
@@ -289,6 +303,37 @@ def pipeline_figures(points: list[Point]) -> dict:
         "profile": step_profile(points, window),
         "idle_together": idle_together(learner_waits(points),
                                        rollout_pauses(points), window),
+        "early": early_figures(points, published),
+    }
+
+
+def early_figures(points: list[Point], published: dict[int, float]) -> dict:
+    """Where the targets are crossed, between versions `EARLY_VERSIONS`: the busy fractions
+    of `pipeline_figures` over that window, and the learner's CPU milliseconds of updates
+    and kept rows per step (`update_cpu_ms`, `rows`: the steps after the first version up to
+    the last). Empty when the run did not reach the last version."""
+    lo, hi = EARLY_VERSIONS
+    if lo not in published or hi not in published:
+        return {}
+    window = (published[lo], published[hi])
+    cpu: dict[int, float] = {}
+    for _, _, step, value, _ in named(points, LEARNER_STAGES, "busy_cpu_s"):
+        cpu.setdefault(step, value)  # the leader's (or only) learner, first logged
+    rows: dict[int, float] = {}
+    for _, _, step, value, _ in named(points, LEARNER_STAGES, "samples"):
+        rows.setdefault(step, value)
+    steps = range(lo + 1, hi + 1)
+    return {
+        "busy_fraction": {
+            "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
+            "rollout_generating": steady_busy(named(points, ("rollout",), "generating_s"),
+                                              window),
+            "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
+            "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)},
+        "update_cpu_ms": (1000.0 * (cpu[hi] - cpu[lo]) / (hi - lo)
+                          if lo in cpu and hi in cpu else None),
+        "rows": (sum(rows[v] for v in steps) / len(steps)
+                 if all(v in rows for v in steps) else None),
     }
 
 
@@ -661,7 +706,14 @@ def summarize(rows: list[dict]) -> dict:
                 for side in ("shardrl", "sync")},
             "versions_to_target_ratio":
                 over(lambda r: r["vs_sync"].get("versions_to_target_ratio"), "low"),
+            **{name: {side: over(lambda r, n=name, s=side: r["vs_sync"].get(n, {}).get(s))
+                      for side in ("shardrl", "sync")}
+               for name in ("early_update_cpu_ms", "early_rows_per_step")},
         },
+        "early_busy_fraction": {
+            name: over(lambda r, n=name: r["shardrl"].get("early", {})
+                       .get("busy_fraction", {}).get(n))
+            for name in ("rollout", "rollout_generating", "learner", "learner_cpu")},
         "cpu_per_step": {
             side: {part: over(lambda r, s=side, p=part:
                               (r[s].get("cpu_per_step") or {}).get(p))

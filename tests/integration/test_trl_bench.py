@@ -8,7 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 from bench.trl_bench import (
+    EARLY_VERSIONS,
     compare,
+    early_figures,
+    early_mean,
     make_budget_callback,
     pass_at,
     spread,
@@ -52,6 +55,41 @@ def test_compare_against_hand_computed_figures():
     back = compare(TRL, SHARDRL)
     assert back["time_ratio"] is None
     assert back["pass_gap"] == pytest.approx(0.7 - 0.9)  # TRL's 30s point at 40s
+
+
+def test_early_figures_over_the_versions_where_targets_are_crossed():
+    lo, hi = EARLY_VERSIONS
+    published = {v: 100.0 + 0.1 * v for v in range(1, hi + 5)}  # one version per 0.1 s
+    points = []
+    for v in range(1, hi + 5):
+        t = published[v]
+        # the learner: 0.06 s of update CPU and 0.08 s busy per step, 120 kept rows (150
+        # on the first step, which the window leaves out)
+        points += [("learn/w00", "learn/busy_cpu_s", v, 0.06 * v, t),
+                   ("learn/w00", "learn/busy_s", v, 0.08 * v, t),
+                   ("learn/w00", "learn/samples", v, 150.0 if v == 1 else 120.0, t)]
+        # two workers, busy 0.5 and 0.3 of the time (generating 0.4 and 0.2)
+        for w, busy, gen in (("rollout/w00", 0.5, 0.4), ("rollout/w01", 0.3, 0.2)):
+            points += [(w, "rollout/busy_s", v, busy * (t - 100.0), t),
+                       (w, "rollout/generating_s", v, gen * (t - 100.0), t)]
+    got = early_figures(points, published)
+    assert got["update_cpu_ms"] == pytest.approx(60.0)
+    assert got["rows"] == pytest.approx(120.0)
+    busy = got["busy_fraction"]
+    assert busy["rollout"] == pytest.approx(0.4)  # the workers' mean
+    assert busy["rollout_generating"] == pytest.approx(0.3)
+    assert busy["learner"] == pytest.approx(0.8)  # 0.08 s per 0.1 s
+    assert busy["learner_cpu"] == pytest.approx(0.6)
+    # a run that never reached the window's last version has no figures
+    assert early_figures(points, {v: t for v, t in published.items() if v < hi}) == {}
+
+
+def test_early_mean_takes_the_steps_after_the_first_version_up_to_the_last():
+    lo, hi = EARLY_VERSIONS
+    per_step = [1.0] * lo + [2.0] * (hi - lo) + [9.0]  # entry i made version i + 1
+    assert early_mean(per_step, 1000.0) == pytest.approx(2000.0)
+    assert early_mean(per_step[: hi - 1]) is None  # version `hi` was never made
+    assert early_mean(None) is None
 
 
 def test_spread_skips_undefined_values():
