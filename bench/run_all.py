@@ -242,9 +242,9 @@ def _early(r: dict, vs: dict, lo: int, hi: int) -> Iterator[Row]:
     step_ms = {s: (None if per[s]["median"] is None else 1000.0 / per[s]["median"])
                for s in ("shardrl", "sync")}
     yield ("trl/sync", f"the speedup taken apart (3), versions {lo} to {hi} (medians): ms per "
-           "step / CPU ms of its update / kept rows it trains on, ShardRL | sync", "",
+           "step / CPU ms of its update / kept rows it trains on, ShardRL; sync", "",
            f"{_num(step_ms['shardrl'], '.0f')} / {med(cpu, 'shardrl')} / "
-           f"{med(rows, 'shardrl')} | {_num(step_ms['sync'], '.0f')} / {med(cpu, 'sync')} / "
+           f"{med(rows, 'shardrl')}; {_num(step_ms['sync'], '.0f')} / {med(cpu, 'sync')} / "
            f"{med(rows, 'sync')}")
     busy = r.get("early_busy_fraction", {})
     if busy:

@@ -61,6 +61,14 @@ Figures per repeat (each reported as median, min and max over repeats):
   the baseline needed to reach the target over ShardRL's, each read between its evaluations.
   Start-up aside, their product is the speedup: a ShardRL step comes faster, and learns less
   when its samples are a version or more old.
+- `vs_sync.early_update_cpu_ms` and `vs_sync.early_rows_per_step` (each side), and
+  `early_busy_fraction` (ShardRL): the same versions taken apart further. The CPU
+  milliseconds of an update and the kept rows it trains on, per step after version 1 up to
+  version 30 (ShardRL: the learner's `busy_cpu_s` and `samples`; the baseline: per step on
+  its clock), and ShardRL's busy fractions over that window as in `steady_busy_fraction`
+  below. Early on most groups are kept, so a step takes two shards and trains on more rows
+  than late in the run; whichever of the learner and the workers is busier there sets
+  ShardRL's step rate.
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
   processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
 - `cpu_per_step` (each side) and `vs_sync.cpu_per_step_ratio`: CPU seconds per optimizer

@@ -284,7 +284,7 @@ def test_pipeline_figures_tolerate_missing_metrics():
         "resume_lag_s": {"p50": None, "p95": None, "n": 0},
         "profile": {"learn/update_s": None, "learn/commit_s": None, "learn/read_s": None,
                     "learn/wait_s": None, "rollout/generate_s": None, "rollout/post_s": None},
-        "idle_together": None}
+        "idle_together": None, "early": {}}
     assert last_per_writer([]) is None
 
 
