@@ -298,12 +298,7 @@ def pipeline_figures(points: list[Point]) -> dict:
         "busy_fraction": {
             "rollout": last_per_writer(named(points, ("rollout",), "busy_fraction")),
             "learner": last_per_writer(named(points, LEARNER_STAGES, "busy_fraction"))},
-        "steady_busy_fraction": {
-            "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
-            "rollout_generating": steady_busy(named(points, ("rollout",), "generating_s"),
-                                              window),
-            "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
-            "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)},
+        "steady_busy_fraction": busy_fractions(points, window),
         "hop_s": {"p50": percentile(hops, 50), "p95": percentile(hops, 95),
                   "max": max(hop_max, default=None), "n": len(hops)},
         "resume_lag_s": {"p50": percentile(resumes, 50), "p95": percentile(resumes, 95),
@@ -315,29 +310,42 @@ def pipeline_figures(points: list[Point]) -> dict:
     }
 
 
+BUSY_FIGURES = ("rollout", "rollout_generating", "learner", "learner_cpu")
+"""The keys of `busy_fractions`."""
+
+
+def busy_fractions(points: list[Point], window: tuple[float, float]) -> dict:
+    """The rollout workers' (mean) and the learner's busy fractions over `window` (see
+    `steady_busy`): rollout not paused and inside generation batches, learner wall and CPU
+    seconds of updates."""
+    return {
+        "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
+        "rollout_generating": steady_busy(named(points, ("rollout",), "generating_s"), window),
+        "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
+        "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)}
+
+
+def learner_per_step(points: list[Point], name: str) -> dict[int, float]:
+    """{step: value} of a learner metric, the first logged per step (the leader's, or the
+    only learner's)."""
+    out: dict[int, float] = {}
+    for _, _, step, value, _ in named(points, LEARNER_STAGES, name):
+        out.setdefault(step, value)
+    return out
+
+
 def early_figures(points: list[Point], published: dict[int, float]) -> dict:
-    """Where the targets are crossed, between versions `EARLY_VERSIONS`: the busy fractions
-    of `pipeline_figures` over that window, and the learner's CPU milliseconds of updates
-    and kept rows per step (`update_cpu_ms`, `rows`: the steps after the first version up to
-    the last). Empty when the run did not reach the last version."""
+    """Where the targets are crossed, between versions `EARLY_VERSIONS`: `busy_fractions`
+    over that window, and the learner's CPU milliseconds of updates and kept rows per step
+    (`update_cpu_ms`, `rows`: the steps after the first version up to the last). Empty when
+    the run did not reach the last version."""
     lo, hi = EARLY_VERSIONS
     if lo not in published or hi not in published:
         return {}
-    window = (published[lo], published[hi])
-    cpu: dict[int, float] = {}
-    for _, _, step, value, _ in named(points, LEARNER_STAGES, "busy_cpu_s"):
-        cpu.setdefault(step, value)  # the leader's (or only) learner, first logged
-    rows: dict[int, float] = {}
-    for _, _, step, value, _ in named(points, LEARNER_STAGES, "samples"):
-        rows.setdefault(step, value)
+    cpu, rows = learner_per_step(points, "busy_cpu_s"), learner_per_step(points, "samples")
     steps = range(lo + 1, hi + 1)
     return {
-        "busy_fraction": {
-            "rollout": steady_busy(named(points, ("rollout",), "busy_s"), window),
-            "rollout_generating": steady_busy(named(points, ("rollout",), "generating_s"),
-                                              window),
-            "learner": steady_busy(named(points, LEARNER_STAGES, "busy_s"), window),
-            "learner_cpu": steady_busy(named(points, LEARNER_STAGES, "busy_cpu_s"), window)},
+        "busy_fraction": busy_fractions(points, (published[lo], published[hi])),
         "update_cpu_ms": (1000.0 * (cpu[hi] - cpu[lo]) / (hi - lo)
                           if lo in cpu and hi in cpu else None),
         "rows": (sum(rows[v] for v in steps) / len(steps)
@@ -721,7 +729,7 @@ def summarize(rows: list[dict]) -> dict:
         "early_busy_fraction": {
             name: over(lambda r, n=name: r["shardrl"].get("early", {})
                        .get("busy_fraction", {}).get(n))
-            for name in ("rollout", "rollout_generating", "learner", "learner_cpu")},
+            for name in BUSY_FIGURES},
         "cpu_per_step": {
             side: {part: over(lambda r, s=side, p=part:
                               (r[s].get("cpu_per_step") or {}).get(p))
@@ -734,7 +742,7 @@ def summarize(rows: list[dict]) -> dict:
                   for q in ("p50", "p95", "max")},
         "steady_busy_fraction": {
             name: over(lambda r, n=name: r["shardrl"].get("steady_busy_fraction", {}).get(n))
-            for name in ("rollout", "rollout_generating", "learner", "learner_cpu")},
+            for name in BUSY_FIGURES},
         "resume_lag_s": {q: over(lambda r, q=q: r["shardrl"].get("resume_lag_s", {}).get(q))
                          for q in ("p50", "p95")},
         "profile": {name: over(lambda r, n=name: r["shardrl"].get("profile", {}).get(n))
