@@ -3,7 +3,9 @@ errors back as themselves, and a child that never outlives its learner."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +27,8 @@ from shardrl.stages.learn.offload import (
     settle,
 )
 from shardrl.stages.policy import fetch_weights
-from shardrl.store import LocalStore, RunKeys, StoreUnavailable
+from shardrl.store import LocalStore, RetryPolicy, RunKeys, StoreUnavailable
+from shardrl.store.base import Retrier
 from shardrl.store.records import Progress
 
 KEYS = RunKeys("r1")
@@ -132,6 +135,54 @@ def test_an_error_in_the_child_comes_back_as_itself_and_the_child_goes_on(tmp_pa
         child.run([Point(1)])
     finally:
         child.close()
+
+
+class FlakyStore(LocalStore):
+    """A folder store behind a retrier, as the S3 store is: its first two writes of
+    progress.json fail as a refused connection would, in whichever process makes them."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.retrier = Retrier(RetryPolicy(base_delay_s=0.01, max_delay_s=0.02), "flaky",
+                               lambda e: isinstance(e, ConnectionError))
+        self.failures = 2
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        def op() -> None:
+            if key.endswith("progress.json") and self.failures > 0:
+                self.failures -= 1
+                raise ConnectionError("refused")
+            LocalStore.put_bytes(self, key, data)
+
+        self.retrier.call(f"put {key!r}", op)
+
+    def report_outages(self, report) -> None:
+        self.retrier.report = report
+
+    def relay_outage(self, event: str, cause: str | None) -> None:
+        self.retrier.relay(event, cause)
+
+
+def test_an_outage_the_child_rides_out_is_logged_by_the_learner(tmp_path, caplog, capfd):
+    """The learner waits on the child meanwhile, making no store call of its own: the
+    outage reaches its log, once, from the child's report."""
+    weights = states(2)
+    store = FlakyStore(tmp_path)
+    child = CommitProcess(store, KEYS)
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardrl.store"):
+            for writes in commits(weights):
+                child.run(writes)
+    finally:
+        child.close()
+    messages = [r.getMessage() for r in caplog.records if r.name == "shardrl.store"]
+    assert len(messages) == 2, messages
+    assert messages[0] == ("object store flaky unavailable (ConnectionError: refused); "
+                           "retrying for up to 60 s")
+    assert re.fullmatch(r"object store flaky available again after [0-9.]+ s", messages[1])
+    assert "unavailable" not in capfd.readouterr().err  # the child itself logged nothing
+    assert Progress.read(LocalStore(tmp_path), KEYS.progress()).version == 1
+    assert store.failures == 2  # the writes were the child's
 
 
 def test_a_dead_child_fails_the_commit_in_flight(tmp_path):

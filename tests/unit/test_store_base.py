@@ -73,6 +73,38 @@ def test_transient_failures_are_retried_and_the_outage_logged_once(caplog):
     assert messages[1] == "object store test-store available again after 5.5 s"
 
 
+def test_a_reported_outage_is_told_once_by_the_process_that_logs(caplog):
+    """A commit writer's store reports its outage instead of logging it; the learner's store
+    logs what is relayed to it once, merged with an outage its own calls meet."""
+    fake = FakeTime()
+    child = _retrier(RetryPolicy(base_delay_s=1.0, max_delay_s=4.0), fake)
+    parent = _retrier(RetryPolicy(base_delay_s=1.0, max_delay_s=4.0, deadline_s=60), fake)
+    sent: list[tuple[str, str | None]] = []
+
+    def report(event: str, cause: str | None) -> None:
+        sent.append((event, cause))
+        parent.relay(event, cause)
+
+    child.report = report
+    with caplog.at_level(logging.WARNING, logger="shardrl.store"):
+        op, _ = _failing(2)
+        assert child.call("put", op) == "ok"  # fails at t=0 and t=0.5, succeeds at t=1.5
+        # the parent's own calls meet the next outage too: one start, one end in its log
+        fake.now += 100.0
+        parent.relay("start", "ConnectionError: refused")
+        op, _ = _failing(1)
+        assert parent.call("get", op) == "ok"  # its own failure continues the outage
+        parent.relay("end", None)  # the child's end comes after the parent's: no line
+    assert sent == [("start", "ConnectionError: refused"), ("end", None)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s",
+        "object store test-store available again after 1.5 s",
+        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s",
+        "object store test-store available again after 0.5 s"]
+    with pytest.raises(ValueError, match="unknown outage event"):
+        parent.relay("middle", None)
+
+
 def test_retries_stop_at_the_deadline():
     fake = FakeTime()
     op, calls = _failing(100)

@@ -130,6 +130,17 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove the object at `key`; deleting a missing key is not an error."""
 
+    def report_outages(self, report: Callable[[str, str | None], None] | None) -> None:
+        """Send the start and end of each outage this store rides out to `report(event,
+        cause)` instead of logging them (`Retrier.report`); None logs them again. A store
+        that never retries has no outages to report."""
+        return
+
+    def relay_outage(self, event: str, cause: str | None) -> None:
+        """An outage event that another process's `report_outages` sent, logged as this
+        store's own (`Retrier.relay`); nothing for a store that never retries."""
+        return
+
     def reopened(self) -> Store:
         """The same store for a forked child process, sharing no connection with this one
         (two processes writing into one socket garble both); a store that holds no
@@ -227,6 +238,9 @@ class Retrier:
         self._outage_since: float | None = None
         self._recovered_at: float | None = None
         self._quiet = False  # the current outage is a flap of the one logged before
+        self.report: Callable[[str, str | None], None] | None = None
+        """Where the start and end of an outage go instead of this process's log:
+        `report("start", "ErrorType: message")` and `report("end", None)` (see `relay`)."""
 
     def call(self, what: str, op: Callable[[], T]) -> T:
         """Return `op()`, retrying transient failures; `what` names the operation in errors."""
@@ -256,6 +270,12 @@ class Retrier:
                 return result
 
     def _outage_started(self, error: BaseException) -> None:
+        self.outage_seen(f"{type(error).__name__}: {error}")
+
+    def outage_seen(self, cause: str) -> None:
+        """An outage starts, by a failed call of this store's or one `cause` names that
+        another process saw on the same store (`relay`); logged (or reported) once, unless
+        one is already under way or it is a flap of the last."""
         with self._lock:
             if self._outage_since is not None:
                 return
@@ -264,12 +284,18 @@ class Retrier:
                            and now - self._recovered_at < self.settle_s)
             if self._quiet:
                 return
-        log.warning(
-            "object store %s unavailable (%s: %s); retrying for up to %.0f s",
-            self.target, type(error).__name__, error, self.policy.deadline_s,
-        )
+        if self.report is not None:
+            self.report("start", cause)
+            return
+        log.warning("object store %s unavailable (%s); retrying for up to %.0f s",
+                    self.target, cause, self.policy.deadline_s)
 
     def _outage_ended(self) -> None:
+        self.outage_over()
+
+    def outage_over(self) -> None:
+        """The outage under way (if any) is over: a call succeeded, here or in the process
+        that reported its start."""
         with self._lock:
             if self._outage_since is None:
                 return
@@ -278,4 +304,18 @@ class Retrier:
             self._outage_since = None
             if self._quiet:
                 return
+        if self.report is not None:
+            self.report("end", None)
+            return
         log.warning("object store %s available again after %.1f s", self.target, duration)
+
+    def relay(self, event: str, cause: str | None) -> None:
+        """Take an outage event that `report` sent from another process (a learner's commit
+        writer, whose store calls are the learner's) as this store's own: the process that
+        owns the log tells of one outage once, whichever of its processes met it."""
+        if event == "start":
+            self.outage_seen(cause or "unknown error")
+        elif event == "end":
+            self.outage_over()
+        else:
+            raise ValueError(f"unknown outage event {event!r}")

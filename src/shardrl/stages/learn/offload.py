@@ -24,7 +24,9 @@ it is in the store. So the commit order, and at most one commit in flight, stay 
 thread's, which also keeps the writes that need this process's memory (the optimizer
 checkpoint's live tensors, retention, the doctor). An error in the child comes back as the
 same exception (a `StoreUnavailable` stays one) and fails the commit as it would on the
-thread. The child keeps the weights of the last version it published (the learner keeps
+thread. An outage the child rides out is reported to the learner as it starts and ends, and
+the learner logs it as its own, once: the learner may be making no store call of its own
+meanwhile, waiting for this commit. The child keeps the weights of the last version it published (the learner keeps
 none), so each version crosses the pipe once. It dies with the learner (the kernel's
 parent-death signal), so the commit of a crashed learner cannot land after its restart has
 read progress.json; it exits when the learner closes it or its end of the pipe.
@@ -32,11 +34,11 @@ read progress.json; it exits when the learner closes it or its end of the pipe.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -139,11 +141,19 @@ def _serve(conn, parent_end, store: Store, keys: RunKeys, die) -> None:
         die()
     parent_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when this ends
-    # an outage is the learner's, whose own store calls log its start and end once; the
-    # error that ends one (StoreUnavailable) comes back to it from here as well
-    logging.getLogger("shardrl.store").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    writes = Writes(store.reopened(), keys)
+    store = store.reopened()
+    # an outage met here is the learner's: its start and end go to the learner, which logs
+    # them once with those its own calls met (the learner may be waiting on this request,
+    # making none); the error that ends one (StoreUnavailable) comes back as the answer
+    lock = threading.Lock()
+
+    def report(event: str, cause: str | None) -> None:
+        with lock:  # one message at a time, whichever thread of the store's sends it
+            conn.send(("outage", event, cause))
+
+    store.report_outages(report)
+    writes = Writes(store, keys)
     while True:
         try:
             message = conn.recv()
@@ -218,6 +228,9 @@ class CommitProcess:
                 _send_state(self.conn, state)
             self.pending = None
             status, error, text = self.conn.recv()
+            while status == "outage":  # the child met an outage: tell it as this process's
+                self.store.relay_outage(error, text)
+                status, error, text = self.conn.recv()
         except BaseException as e:
             # the pipe may hold half a request, which the child must never take for a whole
             # one: it is stopped, and this writer with it
