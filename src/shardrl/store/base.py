@@ -253,7 +253,7 @@ class Retrier:
             except Exception as e:
                 if not self._is_transient(e):
                     raise
-                self._outage_started(e)
+                self.outage_seen(f"{type(e).__name__}: {e}")
                 elapsed = self._clock() - start
                 with self._lock:
                     delay = self.policy.delay(attempt, self._rng.random())
@@ -266,11 +266,8 @@ class Retrier:
                     ) from e
                 self._sleep(delay)
             else:
-                self._outage_ended()
+                self.outage_over()
                 return result
-
-    def _outage_started(self, error: BaseException) -> None:
-        self.outage_seen(f"{type(error).__name__}: {error}")
 
     def outage_seen(self, cause: str) -> None:
         """An outage starts, by a failed call of this store's or one `cause` names that
@@ -289,9 +286,6 @@ class Retrier:
             return
         log.warning("object store %s unavailable (%s); retrying for up to %.0f s",
                     self.target, cause, self.policy.deadline_s)
-
-    def _outage_ended(self) -> None:
-        self.outage_over()
 
     def outage_over(self) -> None:
         """The outage under way (if any) is over: a call succeeded, here or in the process
