@@ -143,8 +143,8 @@ class FlakyStore(LocalStore):
 
     def __init__(self, root) -> None:
         super().__init__(root)
-        self.retrier = Retrier(RetryPolicy(base_delay_s=0.01, max_delay_s=0.02), "flaky",
-                               lambda e: isinstance(e, ConnectionError))
+        self._retrier = Retrier(RetryPolicy(base_delay_s=0.01, max_delay_s=0.02), "flaky",
+                                lambda e: isinstance(e, ConnectionError))
         self.failures = 2
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -154,13 +154,7 @@ class FlakyStore(LocalStore):
                 raise ConnectionError("refused")
             LocalStore.put_bytes(self, key, data)
 
-        self.retrier.call(f"put {key!r}", op)
-
-    def report_outages(self, report) -> None:
-        self.retrier.report = report
-
-    def relay_outage(self, event: str, cause: str | None) -> None:
-        self.retrier.relay(event, cause)
+        self._retrier.call(f"put {key!r}", op)
 
 
 def test_an_outage_the_child_rides_out_is_logged_by_the_learner(tmp_path, caplog, capfd):

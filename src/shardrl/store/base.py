@@ -130,16 +130,22 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove the object at `key`; deleting a missing key is not an error."""
 
+    _retrier: Retrier | None = None
+    """What retries this store's operations and tells of its outages; None: it never retries
+    (the folder store)."""
+
     def report_outages(self, report: Callable[[str, str | None], None] | None) -> None:
         """Send the start and end of each outage this store rides out to `report(event,
         cause)` instead of logging them (`Retrier.report`); None logs them again. A store
         that never retries has no outages to report."""
-        return
+        if self._retrier is not None:
+            self._retrier.report = report
 
     def relay_outage(self, event: str, cause: str | None) -> None:
         """An outage event that another process's `report_outages` sent, logged as this
         store's own (`Retrier.relay`); nothing for a store that never retries."""
-        return
+        if self._retrier is not None:
+            self._retrier.relay(event, cause)
 
     def reopened(self) -> Store:
         """The same store for a forked child process, sharing no connection with this one

@@ -151,12 +151,6 @@ class S3Store(Store):
     def uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
 
-    def report_outages(self, report: Callable[[str, str | None], None] | None) -> None:
-        self._retrier.report = report
-
-    def relay_outage(self, event: str, cause: str | None) -> None:
-        self._retrier.relay(event, cause)
-
     def reopened(self) -> S3Store:
         """A new client with its own connection pool, on the same bucket and settings."""
         return S3Store(**self._settings)

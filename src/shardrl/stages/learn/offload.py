@@ -27,9 +27,10 @@ same exception (a `StoreUnavailable` stays one) and fails the commit as it would
 thread. An outage the child rides out is reported to the learner as it starts and ends, and
 the learner logs it as its own, once: the learner may be making no store call of its own
 meanwhile, waiting for this commit. The child keeps the weights of the last version it
-published (the learner keeps none), so each version crosses the pipe once. It dies with the learner (the kernel's
-parent-death signal), so the commit of a crashed learner cannot land after its restart has
-read progress.json; it exits when the learner closes it or its end of the pipe.
+published (the learner keeps none), so each version crosses the pipe once. It dies with the
+learner (the kernel's parent-death signal), so the commit of a crashed learner cannot land
+after its restart has read progress.json; it exits when the learner closes it or its end of
+the pipe.
 """
 
 from __future__ import annotations
