@@ -39,7 +39,6 @@ import multiprocessing
 import pickle
 import signal
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
 
@@ -147,13 +146,7 @@ def _serve(conn, parent_end, store: Store, keys: RunKeys, die) -> None:
     # an outage met here is the learner's: its start and end go to the learner, which logs
     # them once with those its own calls met (the learner may be waiting on this request,
     # making none); the error that ends one (StoreUnavailable) comes back as the answer
-    lock = threading.Lock()
-
-    def report(event: str, cause: str | None) -> None:
-        with lock:  # one message at a time, whichever thread of the store's sends it
-            conn.send(("outage", event, cause))
-
-    store.report_outages(report)
+    store.report_outages(lambda event, cause: conn.send(("outage", event, cause)))
     writes = Writes(store, keys)
     while True:
         try:
