@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardrl.engines.hf import HFEngine, sampling_logprobs
+from shardrl.engines.hf import HFEngine, StaticDecoder, sampling_logprobs
 from shardrl.models.tiny import build_tiny_model, train_tokenizer
 
 
@@ -112,3 +113,60 @@ def fresh_engine_samples(model, prompts, **kwargs):
     fresh = HFEngine(model, eos_token_id=model.config.eos_token_id,
                      pad_token_id=model.config.pad_token_id)
     return fresh.generate(prompts, 1, **kwargs)
+
+
+def grouped_query_model(tokenizer, attn_implementation):
+    """A Llama with 4 query heads sharing 2 key/value heads, as SmolLM2's attention does."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                         max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id,
+                         attn_implementation=attn_implementation)
+    torch.manual_seed(3)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "grouped-eager", "grouped-sdpa"])
+def test_static_cache_decoding_samples_what_the_models_forward_samples(tokenizer, kind,
+                                                                      monkeypatch):
+    model = (make_engine(tokenizer).model if kind == "tiny"
+             else grouped_query_model(tokenizer, kind.split("-")[1]))
+    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    # left padding of different widths, top-p and several samples per prompt
+    prompts = [tokenizer(s).input_ids for s in ["1+2=", "345+678=", "9=", "12+3="]]
+    kwargs = dict(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=11)
+    built = []
+    monkeypatch.setattr(StaticDecoder, "step", _recording(StaticDecoder.step, built))
+    static = engine.generate(prompts, 3, **kwargs)
+    assert built, "the static-cache path did not run"
+    monkeypatch.setattr(StaticDecoder, "ARCHITECTURES", ())  # decode through forward()
+    built.clear()
+    forward = engine.generate(prompts, 3, **kwargs)
+    assert not built
+    for group_s, group_f in zip(static, forward, strict=True):
+        for s, f in zip(group_s, group_f, strict=True):
+            assert s.token_ids == f.token_ids and s.finish_reason == f.finish_reason
+            # eager attention written out: the same operations as the model's
+            tol = 0.0 if kind != "grouped-sdpa" else 1e-5
+            assert s.logprobs == pytest.approx(f.logprobs, abs=tol)
+
+
+def _recording(step, calls):
+    def wrapped(self, tokens, positions):
+        calls.append(tokens.shape[0])
+        return step(self, tokens, positions)
+    return wrapped
+
+
+def test_static_decoder_declines_other_architectures(tokenizer):
+    engine = make_engine(tokenizer)
+    ids = torch.tensor([tokenizer("1+2=").input_ids])
+    cache = engine.model.base_model(input_ids=ids, use_cache=True).cache
+    assert StaticDecoder.supports(engine.model, cache)
+    engine.model.config.model_type = "mistral"  # same layers, a sliding window possible
+    try:
+        assert not StaticDecoder.supports(engine.model, cache)
+    finally:
+        engine.model.config.model_type = "llama"

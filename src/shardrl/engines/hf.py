@@ -5,6 +5,13 @@ The prompts are prefilled once, as one left-padded batch, and their cache repeat
 over the newest token per row with the model's key/value cache; the
 sampling, the stop bookkeeping and the behaviour log-probabilities are whole-batch tensor
 operations, so there is no per-row Python work inside the loop.
+
+For Llama-family models (the demo's tiny model, SmolLM2) a decoding step runs the model's own
+modules over a key/value cache allocated once for the whole generation (`StaticDecoder`)
+instead of the model's forward, whose cache grows by concatenation and whose per-call set-up
+(masks, output objects) took most of a small batch's time on a CPU. Its attention is the
+model's eager attention written out, so it samples the same tokens with the same
+log-probabilities; any other architecture decodes through the model's forward.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shardrl.engines.base import Sample
 
@@ -35,6 +43,86 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     drop_sorted = mass_before >= top_p  # (B, V); position 0 has mass_before 0, always kept
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+
+
+class StaticDecoder:
+    """Decoding steps of a Llama-family model over a preallocated key/value cache.
+
+    Built from the prefill's cache: layer l's keys and values go into buffers of shape
+    (B, H_kv, T + max_new_tokens, D), repeated for the `n` samples of each prompt, and each
+    step writes its one new position in place. A step is the decoder layer's computation
+    (`input_layernorm`, q/k/v projections, rotary embedding, attention over the cache,
+    `o_proj`, `post_attention_layernorm`, `mlp`) through the model's own modules, so LoRA or
+    other wrapped projections compute as in the model's forward; the attention is the eager
+    one (scores in the model's dtype, the padding mask added, softmax in float32), grouped
+    query attention included.
+    """
+
+    ARCHITECTURES = ("llama",)
+    """`config.model_type`s whose decoder layers have exactly that structure."""
+
+    def __init__(self, base: torch.nn.Module, prefill_cache, attention: torch.Tensor, n: int,
+                 max_new_tokens: int) -> None:
+        config = base.config
+        self.base = base
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim ** -0.5
+        prompts, width = attention.shape
+        self.batch, self.width = prompts * n, width
+        self.keys: list[torch.Tensor] = []  # per layer (B, H_kv, T + N, D)
+        self.values: list[torch.Tensor] = []
+        for layer in prefill_cache.layers:
+            for prefilled, out in ((layer.keys, self.keys), (layer.values, self.values)):
+                buffer = prefilled.new_empty((self.batch, self.kv_heads, width + max_new_tokens,
+                                              self.head_dim))  # positions past T: written first
+                buffer[:, :, :width] = prefilled.repeat_interleave(n, dim=0)
+                out.append(buffer)
+        dtype = self.keys[0].dtype
+        keep = torch.ones((self.batch, width + max_new_tokens), dtype=torch.bool,
+                          device=attention.device)
+        keep[:, :width] = attention.repeat_interleave(n, dim=0).bool()  # prompt padding off
+        self.mask = torch.zeros(keep.shape, dtype=dtype, device=attention.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[:, None, None, :]  # (B, 1, 1, T + N), additive
+        self.written = width  # cache positions filled
+
+    @classmethod
+    def supports(cls, model: PreTrainedModel, cache) -> bool:
+        """Whether `model`'s decoder layers and the prefill's cache are of the known kind."""
+        config = model.config
+        layers = getattr(cache, "layers", None)
+        return (getattr(config, "model_type", None) in cls.ARCHITECTURES
+                and not getattr(config, "sliding_window", None)
+                and layers is not None and len(layers) == config.num_hidden_layers
+                and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers))
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) at positions (B, 1) -> the last hidden state (B, H) after the final norm."""
+        base, batch = self.base, self.batch
+        x = base.embed_tokens(tokens[:, None])  # (B, 1, H)
+        cos, sin = base.rotary_emb(x, positions)
+        at, seen = self.written, self.written + 1
+        mask = self.mask[..., :seen]  # (B, 1, 1, L)
+        groups = self.heads // self.kv_heads
+        for layer, keys, values in zip(base.layers, self.keys, self.values, strict=True):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # (B, heads, 1, D), (B, H_kv, 1, D)
+            keys[:, :, at:seen] = k
+            values[:, :, at:seen] = v
+            # query heads grouped by the key/value head they share: (B, H_kv, G, D)
+            q = q.reshape(batch, self.kv_heads, groups, self.head_dim)
+            scores = torch.matmul(q, keys[:, :, :seen].transpose(2, 3)) * self.scaling + mask
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(weights, values[:, :, :seen])  # (B, H_kv, G, D)
+            x = x + attn.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.written = seen
+        return base.norm(x)[:, -1]
 
 
 class HFEngine:
@@ -135,12 +223,15 @@ class HFEngine:
                                     position_ids=positions, use_cache=True)
         cache = out.cache
         hidden = out.last_hidden_state[:, -1]  # (P, H)
-        if n > 1:  # row i * n + j is sample j of prompt i
+        # row i * n + j is sample j of prompt i
+        decoder = None
+        if StaticDecoder.supports(self.model, cache):
+            decoder = StaticDecoder(self.model.base_model, cache, attention, n, max_new_tokens)
+        elif n > 1:
             cache.batch_repeat_interleave(n)
-            hidden = hidden.repeat_interleave(n, dim=0)  # (B, H)
             attention = attention.repeat_interleave(n, dim=0)  # (B, T)
-            positions = positions.repeat_interleave(n, dim=0)  # (B, T)
-        step_pos = positions[:, -1:]  # (B, 1)
+        hidden = hidden.repeat_interleave(n, dim=0)  # (B, H)
+        step_pos = positions[:, -1:].repeat_interleave(n, dim=0)  # (B, 1)
 
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long,
                             device=device)  # (B, N)
@@ -162,6 +253,9 @@ class HFEngine:
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
             step_pos = step_pos + 1  # (B, 1)
+            if decoder is not None:
+                hidden = decoder.step(tok, step_pos)  # (B, H)
+                continue
             attention = torch.cat([attention, attention.new_ones((batch, 1))], dim=-1)
             out = self.model.base_model(input_ids=tok[:, None], attention_mask=attention,
                                         position_ids=step_pos, cache=cache, use_cache=True)
