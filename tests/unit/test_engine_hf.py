@@ -160,13 +160,11 @@ def _recording(step, calls):
     return wrapped
 
 
-def test_static_decoder_declines_other_architectures(tokenizer):
+def test_static_decoder_declines_other_architectures(tokenizer, monkeypatch):
     engine = make_engine(tokenizer)
     ids = torch.tensor([tokenizer("1+2=").input_ids])
     cache = engine.model.base_model(input_ids=ids, use_cache=True).cache
     assert StaticDecoder.supports(engine.model, cache)
-    engine.model.config.model_type = "mistral"  # same layers, a sliding window possible
-    try:
-        assert not StaticDecoder.supports(engine.model, cache)
-    finally:
-        engine.model.config.model_type = "llama"
+    # same layers, a sliding window possible
+    monkeypatch.setattr(engine.model.config, "model_type", "mistral")
+    assert not StaticDecoder.supports(engine.model, cache)

@@ -68,9 +68,10 @@ class StaticDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads  # query heads per key/value head
         self.scaling = self.head_dim ** -0.5
         prompts, width = attention.shape
-        self.batch, self.width = prompts * n, width
+        self.batch = prompts * n
         self.keys: list[torch.Tensor] = []  # per layer (B, H_kv, T + N, D)
         self.values: list[torch.Tensor] = []
         for layer in prefill_cache.layers:
@@ -104,7 +105,6 @@ class StaticDecoder:
         cos, sin = base.rotary_emb(x, positions)
         at, seen = self.written, self.written + 1
         mask = self.mask[..., :seen]  # (B, 1, 1, L)
-        groups = self.heads // self.kv_heads
         for layer, keys, values in zip(base.layers, self.keys, self.values, strict=True):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -115,7 +115,7 @@ class StaticDecoder:
             keys[:, :, at:seen] = k
             values[:, :, at:seen] = v
             # query heads grouped by the key/value head they share: (B, H_kv, G, D)
-            q = q.reshape(batch, self.kv_heads, groups, self.head_dim)
+            q = q.reshape(batch, self.kv_heads, self.groups, self.head_dim)
             scores = torch.matmul(q, keys[:, :, :seen].transpose(2, 3)) * self.scaling + mask
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(weights, values[:, :, :seen])  # (B, H_kv, G, D)
