@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from .graph import STAGE_NAMES
 
@@ -146,26 +151,39 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(args) or 0)
 
 
-_READ_ONLY = frozenset({"config", "doctor", "report", "samples"})
-"""Commands that only read and print: they leave without the interpreter's teardown."""
+def leave(code: int) -> NoReturn:
+    """End the process with `code` once its work is done, without the interpreter's
+    teardown. As the interpreter's own exit does first, threads not marked daemon are
+    waited for (with the thread pools' pending work) and the exit handlers run (logging,
+    multiprocessing, MLflow's); then the standard streams are flushed and `os._exit`. In the
+    teardown, Arrow's worker threads abort the process once in a while after Parquet was
+    read ("terminate called without an active exception", apache/arrow#34314; on a 2-core
+    machine about half the commands whose last act was such a read): exit 134 after a stage
+    or a run had finished and committed everything, which the local runner or Kubeflow then
+    counts as a crash and retries."""
+    try:
+        threading._shutdown()  # what the interpreter's exit calls before the exit handlers
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def entry() -> None:
-    """The `shardrl` command. A command in `_READ_ONLY` exits at once when done, after
-    flushing its output: Arrow's worker threads can abort the interpreter's teardown once in
-    a while ("terminate called without an active exception", exit -6, apache/arrow#34314),
-    after the work is complete; these commands hold nothing a teardown would still save."""
-    code = main()
-    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if command in _READ_ONLY:
-        import logging
-        import os
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """The `shardrl` command: `main`, then `leave` with its exit code, also when it ends by
+    `SystemExit` (an argument error, say); any other exception ends the process the usual
+    way, traceback and all."""
+    try:
+        code = main()
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # a message: printed as the interpreter would
+            print(e.code, file=sys.stderr)
+            code = 1
+    leave(code)
 
 
 if __name__ == "__main__":
