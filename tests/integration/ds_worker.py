@@ -174,4 +174,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from shardrl.cli import leave
+
     main()
+    leave(0)  # as a learner rank ends: no interpreter teardown (see `leave`)
