@@ -64,6 +64,12 @@ GROUPS, GROUP_SIZE, RESPONSE = 16, 8, 8
 TARGET = 0.90
 WARMUP = 2
 """Rollout shards left out of the steady-state window (both sides)."""
+PAIRED_SHARDS = 8
+"""Consecutive rollout shards per pair of the paired figure. The stage generates several
+shards in one call and writes them within milliseconds of each other, so a shard alone has
+no duration of its own; eight span a few calls on both sides."""
+PAIRED_UNIT = {"learn": "step", "rollout": f"{PAIRED_SHARDS} shards"}
+"""What the paired figure of each part pairs."""
 
 
 def config_text(scale: str, steps: int, shards: int) -> str:
@@ -283,17 +289,18 @@ def rollout_window(shards: list[pa.Table]) -> dict:
     shards: in write order. A shard's `created_at` is taken after its generation, so the
     window holds whole cycles (table and write of one shard, backlog and reload checks,
     generation of the next) of shards WARMUP..; their response tokens are counted, also per
-    cycle (`shard_tokens_per_s`). The first shards carry one-time costs (first forward, lazy
-    imports on the first table).
+    `PAIRED_SHARDS` consecutive shards (`shard_tokens_per_s`, a partial last run left out).
+    The first shards carry one-time costs (first forward, lazy imports on the first table).
     """
     created = [float(t.column("created_at")[0].as_py()) for t in shards]
     tokens = [sum(len(r) for r in t.column("response_token_ids").to_pylist()) for t in shards]
     wall = created[-1] - created[WARMUP - 1]
     return {"wall_s": wall, "tokens": sum(tokens[WARMUP:]),
             "tokens_per_s": sum(tokens[WARMUP:]) / wall, "first_shard_time": created[0],
-            "shard_tokens_per_s": [n / (b - a) for n, (a, b) in
-                                   zip(tokens[WARMUP:], pairwise(created[WARMUP - 1:]),
-                                       strict=True)]}
+            "shard_tokens_per_s": [sum(tokens[i:i + PAIRED_SHARDS])
+                                   / (created[i + PAIRED_SHARDS - 1] - created[i - 1])
+                                   for i in range(WARMUP, len(shards) - PAIRED_SHARDS + 1,
+                                                  PAIRED_SHARDS)]}
 
 
 def rollout_stage(config: Path, base: Path, work: Path, shards: int) -> dict:
@@ -362,7 +369,10 @@ def rollout_bare(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
     wall = time.perf_counter() - started
     tokens = sum(n for n, _ in per_shard)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "shard_tokens_per_s": [n / t for n, t in per_shard]}
+            "shard_tokens_per_s": [sum(n for n, _ in run) / sum(t for _, t in run)
+                                   for i in range(0, len(per_shard) - PAIRED_SHARDS + 1,
+                                                  PAIRED_SHARDS)
+                                   if (run := per_shard[i:i + PAIRED_SHARDS])]}
 
 
 def spread(values: list[float]) -> dict:
@@ -413,7 +423,7 @@ def measure(scale: str, prepared: tuple[Path, Path, Path], shards: int, work: Pa
     for part, r in (("learn", learn), ("rollout", rollout)):
         print(f"{scale} {part}: stage {r['stage']['tokens_per_s']:.0f} tok/s, bare "
               f"{r['bare']['tokens_per_s']:.0f} tok/s, ratio {r['ratio']:.3f} (paired per "
-              f"step {r['ratio_step_median']:.3f})", flush=True)
+              f"{PAIRED_UNIT[part]} {r['ratio_step_median']:.3f})", flush=True)
     return learn, rollout
 
 
@@ -460,7 +470,8 @@ def main() -> None:
         for part in ("learn", "rollout"):
             ratios = summary[scale][part]
             print(f"{scale} {part}: stage/bare tokens/s median {ratios['ratio']['median']:.3f}"
-                  f" (paired per step {ratios['ratio_step_median']['median']:.3f})")
+                  f" (paired per {PAIRED_UNIT[part]} "
+                  f"{ratios['ratio_step_median']['median']:.3f})")
     summary["bench_seconds"] = time.monotonic() - started
     shutil.rmtree(WORK / "cache", ignore_errors=True)  # each stage process cached its model
     merge_results("overhead", summary)

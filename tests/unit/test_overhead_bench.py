@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from bench import overhead_bench
 from bench.overhead_bench import (
     GROUP_SIZE,
     GROUPS,
@@ -58,10 +59,20 @@ def test_rollout_window_leaves_the_warmup_shards_out():
               ((1.0, [8, 8]), (2.0, [8, 1]), (2.5, [3, 4]), (4.0, [8, 2]))]
     w = rollout_window(shards)
     # window from shard 1's creation (2.0) to the last one's (4.0) holds shards 2 and 3:
-    # 3 + 4 + 8 + 2 = 17 tokens in 2 s; per cycle 7 tokens in 0.5 s and 10 in 1.5 s
-    per_cycle = w.pop("shard_tokens_per_s")
+    # 3 + 4 + 8 + 2 = 17 tokens in 2 s; fewer than PAIRED_SHARDS shards: no paired run
+    per_run = w.pop("shard_tokens_per_s")
     assert w == {"wall_s": 2.0, "tokens": 17, "tokens_per_s": 8.5, "first_shard_time": 1.0}
-    assert per_cycle == pytest.approx([14.0, 10 / 1.5])
+    assert per_run == []
+
+
+def test_rollout_window_pairs_runs_of_shards(monkeypatch):
+    monkeypatch.setattr(overhead_bench, "PAIRED_SHARDS", 2)
+    # two shards of one generation call written 1 ms apart, then two more, then a single one
+    times = (1.0, 2.0, 4.0, 4.001, 6.0, 6.001, 7.0)
+    shards = [_rollout_shard(t, [5], ["g"]) for t in times]
+    # runs from shard 2: shards 2-3 (10 tokens, 2.0 -> 4.001) and 4-5 (10, 4.001 -> 6.001);
+    # shard 6 alone is a partial run, left out
+    assert rollout_window(shards)["shard_tokens_per_s"] == pytest.approx([10 / 2.001, 10 / 2.0])
 
 
 def test_paired_median_pairs_by_index():
