@@ -9,6 +9,7 @@ import importlib
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 from .graph import STAGE_NAMES
@@ -171,12 +172,12 @@ def leave(code: int) -> NoReturn:
         os._exit(code)
 
 
-def entry() -> None:
-    """The `shardrl` command: `main`, then `leave` with its exit code, also when it ends by
-    `SystemExit` (an argument error, say); any other exception ends the process the usual
-    way, traceback and all."""
+def run_and_leave(main: Callable[[], int | None]) -> NoReturn:
+    """`main()`, then `leave` with its exit code, also when it ends by `SystemExit` (an
+    argument error, say); any other exception ends the process the usual way, traceback and
+    all. The entry point of every ShardRL process (`shardrl`, the Kubeflow tasks)."""
     try:
-        code = main()
+        code = main() or 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -184,6 +185,11 @@ def entry() -> None:
             print(e.code, file=sys.stderr)
             code = 1
     leave(code)
+
+
+def entry() -> None:
+    """The `shardrl` command."""
+    run_and_leave(lambda: main())  # `main` looked up when called
 
 
 if __name__ == "__main__":

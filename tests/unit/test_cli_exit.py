@@ -82,3 +82,12 @@ def test_pending_thread_work_finishes_before_the_exit(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.read_text() == "done"
+
+
+def test_kubeflow_tasks_end_through_leave_with_their_code():
+    # the tasks' entry point is `run_and_leave` too: an argument error keeps its exit code 2
+    r = subprocess.run([sys.executable, "-m", "shardrl.orchestrate.kfp_tasks", "report",
+                        "--config", "demo", "--run-id", "x"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "report needs --executor-input, --metrics and --html" in r.stderr

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -164,4 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardrl.cli import run_and_leave
+
+    run_and_leave(main)  # the monitor's last act reads metric chunks: no teardown (`leave`)
