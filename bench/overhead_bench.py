@@ -369,10 +369,10 @@ def rollout_bare(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
     wall = time.perf_counter() - started
     tokens = sum(n for n, _ in per_shard)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "shard_tokens_per_s": [sum(n for n, _ in run) / sum(t for _, t in run)
+            "shard_tokens_per_s": [sum(n for n, _ in per_shard[i:i + PAIRED_SHARDS])
+                                   / sum(t for _, t in per_shard[i:i + PAIRED_SHARDS])
                                    for i in range(0, len(per_shard) - PAIRED_SHARDS + 1,
-                                                  PAIRED_SHARDS)
-                                   if (run := per_shard[i:i + PAIRED_SHARDS])]}
+                                                  PAIRED_SHARDS)]}
 
 
 def spread(values: list[float]) -> dict:
@@ -380,8 +380,8 @@ def spread(values: list[float]) -> dict:
 
 
 def paired_median(stage: list[float], bare: list[float]) -> float:
-    """Median over steps (or shards) of stage / bare tokens/s, the same work paired by index:
-    a load burst on the machine spoils a few pairs rather than a whole window."""
+    """Median over steps (or runs of shards) of stage / bare tokens/s, the same work paired by
+    index: a load burst on the machine spoils a few pairs rather than a whole window."""
     return statistics.median(s / b for s, b in zip(stage, bare, strict=True))
 
 
