@@ -7,7 +7,8 @@ time order, starting at the shared SFT snapshot (t=0). Nothing here reads files 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 
 Curve = list[tuple[float, float]]
@@ -120,6 +121,21 @@ def pooled_time_to_gain(curves: Sequence[Curve], refs: Sequence[tuple[float, flo
     """
     gains = [gain_curve(c, v0, best) for c, (v0, best) in zip(curves, refs, strict=True)]
     return time_to_reach_interpolated(mean_curve(gains), fraction)
+
+
+def bootstrap_interval(statistic: Callable[[list[int]], float], n: int, draws: int = 2000,
+                       level: float = 0.9, seed: int = 0) -> tuple[float, float] | None:
+    """The percentile bootstrap interval of a figure over `n` repeats: `statistic(idx)` is
+    the figure on the repeats `idx` (indices into `range(n)`, drawn with replacement; it
+    returns a number, infinity included, for every draw), computed on `draws` resamples;
+    the (1 - level) / 2 and (1 + level) / 2 quantiles of those values. None below 2
+    repeats."""
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return (values[int((1 - level) / 2 * (draws - 1))],
+            values[math.ceil((1 + level) / 2 * (draws - 1))])
 
 
 def binomial_se(p: float, n: int) -> float:

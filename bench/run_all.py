@@ -21,13 +21,14 @@ BENCHES = [
     ["bench.store_bench"],
     ["bench.async_bench", "--repeats", "2"],
     # 240 steps: ShardRL's RL phase (~30 s) is the budget of TRL and the synchronous baseline,
-    # long enough for TRL to reach its plateau; the baseline runs on one thread, its fastest
-    # setting for this model (two threads were slower in every measurement here)
-    # evaluations every 10 versions (about 1.3 s of ShardRL's clock; the peers as often in
-    # time): the 70% targets fall within the first 5 s, where coarser points decide them.
-    # Five seeds (one per repeat): the time to a target varies a lot from seed to seed (one
-    # policy dips below it for a few versions, another does not), more than the timings do
-    ["bench.trl_bench", "--repeats", "5", "--eval-every", "10", "--sync-threads", "1",
+    # long enough for TRL to reach its plateau; the baseline runs on one thread and on all
+    # cores, and the faster one is the comparison's (one thread won on some hosts here, two
+    # on others). Evaluations every 10 versions (about 1.3 s of ShardRL's clock; the peers as
+    # often in time): the 70% targets fall within the first 5 s, where coarser points decide
+    # them. Five seeds with TRL and five more without: the time to a target varies a lot from
+    # seed to seed (one policy dips below it for a few versions, another does not), more than
+    # the timings do, and a repeat without TRL takes about a third of the time
+    ["bench.trl_bench", "--repeats", "5", "--sync-repeats", "5", "--eval-every", "10",
      "--set", "learner.total_steps=240"],
     # five repeats: a large-model repeat is 10 steps, and three of them read 0.85-0.94 of the
     # bare loop on one host where five read 0.95 (0.90-1.10)
@@ -109,12 +110,28 @@ def _pass(side: dict, n: int | None) -> str:
     return f"{p:.3f}" + (f" ± {binomial_se(p, n):.3f}" if n else "")
 
 
+def _interval(interval: dict | None, suffix: str = "") -> str:
+    """" (low to high)" of a bootstrap interval, or nothing."""
+    if not interval:
+        return ""
+    low, high = (_num(interval[end], suffix=suffix, none="unbounded")
+                 for end in ("low", "high"))
+    return f" ({low} to {high})"
+
+
+def _interval_note(pooled: dict, name: str) -> str:
+    """Says what the bracket after a pooled figure is, when there is one."""
+    interval = pooled.get(f"{name}_interval")
+    return (f"; in brackets its {interval['level']:.0%} bootstrap interval over repeats"
+            if interval else "")
+
+
 def _trl(r: dict) -> Iterator[Row]:
     repeats, seeds = r.get("repeats", 1), r.get("seeds")
     over = f"median (min to max) of {repeats}" if repeats > 1 else "1 repeat"
     if seeds is not None and repeats > 1:
         over += (f", seed {seeds[0]} each time" if len(set(seeds)) == 1
-                 else f", seeds {', '.join(map(str, seeds))}")
+                 else f", seeds {', '.join(map(str, seeds[:repeats]))}")
     if "target_time_ratio" in r:
         yield ("trl", f"time to 70% of TRL's pass@1 gain over the snapshot, ShardRL / TRL "
                f"({over})", "<= 1.0 (aim 0.5)",
@@ -127,8 +144,10 @@ def _trl(r: dict) -> Iterator[Row]:
         p = r["pooled"]["vs_trl"]
         yield ("trl", f"the same on the mean of the {p['repeats']} repeats' gain curves (each "
                f"repeat's share of its TRL run's gain): ShardRL {_num(p['shardrl'], suffix=' s')}"
-               f", TRL {_num(p['trl'], suffix=' s')}", "<= 1.0 (aim 0.5)",
-               _num(r["pooled"]["target_time_ratio"], none="never reached"))
+               f", TRL {_num(p['trl'], suffix=' s')}{_interval_note(r['pooled'], 'target_time_ratio')}",
+               "<= 1.0 (aim 0.5)",
+               _num(r["pooled"]["target_time_ratio"], none="never reached")
+               + _interval(r["pooled"].get("target_time_ratio_interval")))
     yield ("trl", "ShardRL time to TRL's final pass@1 / TRL wall clock", "<= 0.5",
            _spread(r["time_ratio"], none="never reached"))
     yield ("trl", "pass@1 ShardRL - TRL at TRL's final time", ">= 0",
@@ -145,7 +164,10 @@ def _trl(r: dict) -> Iterator[Row]:
            " / ".join(f"{r[s]['samples_per_s']['median']:.1f}" for s in sides))
     if "vs_sync" in r:
         vs = r["vs_sync"]
-        yield ("trl/sync", "time to 70% of the sync baseline's pass@1 gain, sync / ShardRL",
+        n_sync = r.get("repeats_vs_sync", repeats)
+        yield ("trl/sync", "time to 70% of the sync baseline's pass@1 gain, sync / ShardRL "
+               f"(median (min to max) of {n_sync} repeats"
+               + (f", seeds {seeds[0]}-{seeds[-1]})" if seeds and len(set(seeds)) > 1 else ")"),
                ">= 1.25x", _spread(vs["time_speedup"], none="ShardRL never reached",
                                    suffix="x"))
         if "time_speedup_interpolated" in vs:
@@ -156,9 +178,21 @@ def _trl(r: dict) -> Iterator[Row]:
             p = r["pooled"]["vs_sync"]
             yield ("trl/sync", f"the same on the mean of the {p['repeats']} repeats' gain curves"
                    f" (each repeat's share of its sync run's gain): sync "
-                   f"{_num(p['sync'], suffix=' s')}, ShardRL {_num(p['shardrl'], suffix=' s')}",
+                   f"{_num(p['sync'], suffix=' s')}, ShardRL {_num(p['shardrl'], suffix=' s')}"
+                   f"{_interval_note(r['pooled'], 'sync_time_speedup')}",
                    ">= 1.25x", _num(r["pooled"]["sync_time_speedup"],
-                                    none="ShardRL never reached", suffix="x"))
+                                    none="ShardRL never reached", suffix="x")
+                   + _interval(r["pooled"].get("sync_time_speedup_interval"), "x"))
+        if "sync_choice" in r:
+            choice = r["sync_choice"]
+            yield ("trl/sync", "the baseline's torch threads, chosen as the fastest: its pooled "
+                   "time to its own target (s) / ShardRL's pooled speedup against it, per "
+                   "thread count", "",
+                   "; ".join(f"{t} thread{'s' if t != '1' else ''}: "
+                             f"{_num(c['pooled_seconds'], suffix=' s')} / "
+                             f"{_num(c['pooled_speedup'], suffix='x')}"
+                             + (" (chosen)" if int(t) == r["sync_threads"] else "")
+                             for t, c in sorted(choice.items(), key=lambda kv: int(kv[0]))))
         if "early_steps_per_s_ratio" in vs:
             lo, hi = vs["early_versions"]
             per = vs["early_steps_per_s"]

@@ -14,9 +14,14 @@ for each system, and samples generated per second.
 
 The comparison is the one a user of this machine sees: ShardRL's RL phase is concurrent
 processes (rollout, score, prepare, learn, evaluate; one torch thread each) on all cores, its
-evaluate stage competing with training; TRL and the baseline are one process each using all
-cores (`torch.set_num_threads(os.cpu_count())`; `--sync-threads` sets the baseline's count),
-their clocks paused while they are evaluated. Every process waits for OpenMP work passively
+evaluate stage competing with training; TRL and the baseline are one process each, their
+clocks paused while they are evaluated. TRL uses all cores
+(`torch.set_num_threads(os.cpu_count())`). The baseline runs every repeat once per thread
+count (`--sync-threads`; by default 1 and one per core, in alternating order), and the count
+that reaches its own 70% target soonest on the mean of the repeats' gain curves is the
+baseline all figures compare with (`choose_baseline`): which is faster depends on the model
+and the host (at the demo's size two threads won on some hosts here and lost on others), and
+a user would tune it before comparing. Every process waits for OpenMP work passively
 (`OMP_WAIT_POLICY=PASSIVE` unless the environment sets it), as the local runner makes
 ShardRL's stages do: with active waiting, idle threads spin on cores others need.
 ShardRL's clock starts when its snapshot is published and stops at `DONE.json`; a point of
@@ -28,10 +33,13 @@ and the baseline run in fresh processes whose clocks start once those libraries 
 are imported and the same warm-up and task building are done (`sync_baseline.before_clock`):
 loading the model and setting up the trainer count, as for ShardRL.
 
-Repeat r runs with `seed` = the config's seed + r on all three sides (the SFT snapshot, the
+Repeat r runs with `seed` = the config's seed + r on all sides (the SFT snapshot, the
 prompt streams, sampling and initialisation), so the repeats are independent samples of each
 comparison; `--same-seed` repeats one seed instead, which on this deterministic CPU setup
-gives nearly the same curves every time and measures timing noise only.
+gives nearly the same curves every time and measures timing noise only. `--sync-repeats N`
+adds N repeats of ShardRL and the baseline alone (seeds continuing after the others): the
+time to a target moves much more from seed to seed than the timings do, and a baseline
+repeat costs a small share of a TRL one.
 
 Figures per repeat (each reported as median, min and max over repeats):
 - `target_time_ratio`: v0 = the snapshot's pass@1 (TRL's curve point at t=0) and target =
@@ -49,7 +57,9 @@ Figures per repeat (each reported as median, min and max over repeats):
   repeats, and each side's time to 0.7 is read off the mean curve (`target_time_ratio`:
   ShardRL / TRL; `sync_time_speedup`: baseline / ShardRL). A repeat's own first crossing
   hangs on one evaluation near the target, whose noise (about 0.02 at n = 256) and dips move
-  it by a whole evaluation interval; the mean curve leaves less of that noise.
+  it by a whole evaluation interval; the mean curve leaves less of that noise. Beside each,
+  its 90% percentile-bootstrap interval over repeats (`pooled_interval`): the range other
+  seeds could give.
 - `vs_sync.samples_per_s_ratio`: steady-state samples per second, ShardRL's over the
   baseline's, each = generated samples finished between its first and its last new policy
   version over the time between them (`bench.curves.steady_samples_per_s`; ShardRL: from the
@@ -115,17 +125,19 @@ import argparse
 import importlib.metadata
 import io
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.curves import (
     Curve,
     binomial_se,
+    bootstrap_interval,
     idle_together,
     machine_share,
     pass_at,
@@ -660,24 +672,75 @@ def trl_process(config: str, overrides: list[str], snapshot: Path, budget: float
 
 # -- driver --------------------------------------------------------------------------------
 def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
-               order: tuple[str, ...] = ("trl", "sync"), sync_threads: int | None = None) -> dict:
-    """ShardRL's run, then each peer in `order` from its snapshot for as long; every side
-    and the figures. `sync_threads`: the baseline's torch threads (None: one per core)."""
+               order: tuple[str, ...] = ("trl", "sync"), sync_threads: Sequence[int] = (1,),
+               ) -> dict:
+    """ShardRL's run, then each peer in `order` from its snapshot for as long (the baseline
+    once per count of `sync_threads`, in that order); every side and the figures. Without
+    "trl" in `order` the row holds the baseline comparison only.
+
+    The baseline's runs go to `sync_runs` (by thread count) and ShardRL's comparison with
+    each to `vs_sync_runs`; `choose_baseline` later makes one of them the row's `sync`."""
     s = run_shardrl(config, overrides, f"trl-bench-{tag}")
-    extra = {"sync": [] if sync_threads is None else ["--threads", str(sync_threads)]}
-    peers = {p: peer_process(p, config, overrides, s["snapshot"], s["seconds"], eval_points,
-                             extra.get(p))
-             for p in order}
-    row = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, **peers,
-           "order": list(order)}
-    for side in ("shardrl", *order):
-        r = row[side]
+    row: dict = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, "sync_runs": {},
+                 "order": list(order)}
+    for peer in order:
+        if peer == "sync":
+            for t in sync_threads:
+                row["sync_runs"][str(t)] = peer_process(
+                    "sync", config, overrides, s["snapshot"], s["seconds"], eval_points,
+                    ["--threads", str(t)])
+        else:
+            row[peer] = peer_process(peer, config, overrides, s["snapshot"], s["seconds"],
+                                     eval_points)
+    sides = [row["shardrl"], *row["sync_runs"].values(), *([row["trl"]] if "trl" in row else [])]
+    for r in sides:
         r["final_pass"], r["best_pass"] = r["curve"][-1][1], max(p for _, p in r["curve"])
         r["samples_per_s"] = r["samples"] / r["seconds"]
-    row["samples_per_s_ratio"] = row["shardrl"]["samples_per_s"] / row["trl"]["samples_per_s"]
-    row |= compare(s["curve"], row["trl"]["curve"])
-    row["vs_sync"] = compare_sync(row["shardrl"], row["sync"])
+    row["vs_sync_runs"] = {t: compare_sync(row["shardrl"], run)
+                           for t, run in row["sync_runs"].items()}
+    if "trl" in row:
+        row["samples_per_s_ratio"] = (row["shardrl"]["samples_per_s"]
+                                      / row["trl"]["samples_per_s"])
+        row |= compare(s["curve"], row["trl"]["curve"])
     return row
+
+
+def choose_baseline(rows: list[dict]) -> dict:
+    """Make the fastest thread count of the baseline every row's `sync` (and `vs_sync`):
+    the count whose runs reach 70% of their own gain soonest on the mean of the repeats'
+    gain curves, as a user would tune a loop before comparing anything with it. Returns,
+    per thread count, that pooled time and ShardRL's pooled speedup against it."""
+    choice = {}
+    for t in rows[0]["sync_runs"]:
+        runs = [dict(r, sync=r["sync_runs"][t]) for r in rows]
+        by_sync = pooled(runs, "sync")
+        choice[t] = {"pooled_seconds": by_sync["sync"],
+                     "pooled_speedup": ratio(by_sync["sync"], by_sync["shardrl"])}
+    best = min(choice, key=lambda t: (choice[t]["pooled_seconds"] is None,
+                                      choice[t]["pooled_seconds"] or 0.0))
+    for r in rows:
+        r["sync"], r["vs_sync"] = r["sync_runs"][best], r["vs_sync_runs"][best]
+    return {"threads": int(best), "by_threads": choice}
+
+
+def pooled_interval(rows: list[dict], reference: str, draws: int = 500) -> dict | None:
+    """90% percentile-bootstrap interval over repeats of the pooled ratio against
+    `reference` ("trl": ShardRL's time over TRL's, a None time counted as never, i.e.
+    infinitely late; "sync": the baseline's time over ShardRL's): how far the pooled figure
+    could move with other seeds. An end that is None is unbounded (in that share of the
+    resamples one side's mean curve never got there)."""
+    def statistic(idx: list[int]) -> float:
+        p = pooled([rows[i] for i in idx], reference)
+        other = p[reference]
+        mine = p["shardrl"]
+        if reference == "trl":
+            return math.inf if mine is None else (mine / other if other else math.inf)
+        return 0.0 if mine is None else (math.inf if other is None else other / mine)
+    interval = bootstrap_interval(statistic, len(rows), draws)
+    if interval is None:
+        return None
+    low, high = (None if math.isinf(v) else v for v in interval)
+    return {"low": low, "high": high, "level": 0.9, "draws": draws}
 
 
 SIDE_FIGURES = ("final_pass", "best_pass", "samples_per_s", "steady_samples_per_s", "seconds",
@@ -686,18 +749,23 @@ SIDE_FIGURES = ("final_pass", "best_pass", "samples_per_s", "steady_samples_per_
 
 def summarize(rows: list[dict]) -> dict:
     """Median, min and max over repeats of every figure and of each side's totals, and the
-    binomial standard error of each side's median final pass@1."""
-    def over(get: Callable[[dict], float | None], missing: str = "undefined") -> dict:
-        return spread([get(row) for row in rows], missing)
+    binomial standard error of each side's median final pass@1. The figures against TRL are
+    over the repeats that ran it; the rest over all (`choose_baseline` has set each row's
+    `sync`)."""
+    trl_rows = [r for r in rows if "trl" in r]
+
+    def over(get: Callable[[dict], float | None], missing: str = "undefined",
+             of: list[dict] | None = None) -> dict:
+        return spread([get(row) for row in (rows if of is None else of)], missing)
 
     out: dict = {
-        "time_ratio": over(lambda r: r["time_ratio"], "high"),
-        "pass_gap": over(lambda r: r["pass_gap"]),
-        "samples_per_s_ratio": over(lambda r: r["samples_per_s_ratio"]),
-        "target_time_ratio": over(lambda r: r["target_time_ratio"], "high"),
+        "time_ratio": over(lambda r: r["time_ratio"], "high", trl_rows),
+        "pass_gap": over(lambda r: r["pass_gap"], of=trl_rows),
+        "samples_per_s_ratio": over(lambda r: r["samples_per_s_ratio"], of=trl_rows),
+        "target_time_ratio": over(lambda r: r["target_time_ratio"], "high", trl_rows),
         "target_time_ratio_interpolated":
-            over(lambda r: r.get("target_time_ratio_interpolated"), "high"),
-        "target": over(lambda r: r["target"]),
+            over(lambda r: r.get("target_time_ratio_interpolated"), "high", trl_rows),
+        "target": over(lambda r: r["target"], of=trl_rows),
         "vs_sync": {
             "time_speedup": over(lambda r: r["vs_sync"]["time_speedup"], "low"),
             "time_speedup_interpolated":
@@ -749,14 +817,18 @@ def summarize(rows: list[dict]) -> dict:
                     for name in (f"{st}/{m}" for st, ms in PROFILE.items() for m in ms)},
         "idle_together": over(lambda r: r["shardrl"].get("idle_together")),
     }
-    by_trl, by_sync = pooled(rows, "trl"), pooled(rows, "sync")
+    by_trl, by_sync = pooled(trl_rows, "trl"), pooled(rows, "sync")
     out["pooled"] = {"vs_trl": by_trl, "vs_sync": by_sync,
                      "target_time_ratio": ratio(by_trl["shardrl"], by_trl["trl"]),
-                     "sync_time_speedup": ratio(by_sync["sync"], by_sync["shardrl"])}
+                     "target_time_ratio_interval": pooled_interval(trl_rows, "trl"),
+                     "sync_time_speedup": ratio(by_sync["sync"], by_sync["shardrl"]),
+                     "sync_time_speedup_interval": pooled_interval(rows, "sync")}
     n = rows[0]["shardrl"].get("eval_samples")
     out["eval_samples"] = n
+    out["repeats_vs_trl"], out["repeats_vs_sync"] = len(trl_rows), len(rows)
     for side in ("shardrl", "trl", "sync"):
-        out[side] = {k: over(lambda r, s=side, k=k: r[s].get(k)) for k in SIDE_FIGURES}
+        of = trl_rows if side == "trl" else rows
+        out[side] = {k: over(lambda r, s=side, k=k: r[s].get(k), of=of) for k in SIDE_FIGURES}
         median = out[side]["final_pass"]["median"]
         out[side]["final_pass_se"] = None if n is None or median is None else binomial_se(median, n)
     return out
@@ -772,7 +844,7 @@ def pooled(rows: list[dict], reference: str) -> dict:
     refs = [(v0, best) for _, (v0, best) in gains if best > v0]
     return {"repeats": len(used)} | {
         side: pooled_time_to_gain([r[side]["curve"] for r in used], refs) if used else None
-        for side in ("shardrl", "trl", "sync")}
+        for side in ("shardrl", "trl", "sync") if all(side in r for r in rows)}
 
 
 def fmt(value: float | None, spec: str = ".2f", never: str = "never reached") -> str:
@@ -791,8 +863,13 @@ def main() -> None:
                              "in time")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override for every system")
-    parser.add_argument("--sync-threads", type=int,
-                        help="torch threads of the synchronous baseline (default: one per core)")
+    parser.add_argument("--sync-threads", type=int, nargs="+",
+                        help="torch thread counts of the synchronous baseline, each run every "
+                             "repeat; the fastest is the comparison's (default: 1 and one per "
+                             "core)")
+    parser.add_argument("--sync-repeats", type=int, default=0,
+                        help="more repeats after --repeats with ShardRL and the baseline only "
+                             "(no TRL): the baseline comparison is noisier than its timings")
     trl_only = parser.add_argument_group("TRL side only (what the benchmark runs in a process)")
     trl_only.add_argument("--snapshot", type=Path, help="HF folder to start TRL from")
     trl_only.add_argument("--budget", type=float, help="seconds of TRL clock")
@@ -819,19 +896,24 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     steps = cfg.learner.total_steps
     eval_points = max(1, steps // args.eval_every)
-    seeds = [cfg.seed + (0 if args.same_seed else r) for r in range(args.repeats)]
+    total = args.repeats + args.sync_repeats
+    seeds = [cfg.seed + (0 if args.same_seed else r) for r in range(total)]
+    threads = sorted(set(args.sync_threads or (1, os.cpu_count() or 1)))
     rows = []
     for r, seed in enumerate(seeds):  # the peers' order alternates: drifting load hits both
         order = ("trl", "sync") if r % 2 == 0 else ("sync", "trl")
+        if r >= args.repeats:
+            order = ("sync",)
         rows.append(one_repeat(args.config, [*overrides, f"seed={seed}"],
                                f"{int(time.time())}-{r}", eval_points, order,
-                               args.sync_threads) | {"seed": seed})
+                               threads if r % 2 == 0 else threads[::-1]) | {"seed": seed})
         print(json.dumps(rows[-1]), flush=True)
+    choice = choose_baseline(rows)
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
-               "seeds": seeds,
+               "sync_repeats": args.sync_repeats, "seeds": seeds,
                "trl_version": importlib.metadata.version("trl"),
-               "sync_threads": args.sync_threads or os.cpu_count(), "rows": rows
-               } | summarize(rows)
+               "sync_threads": choice["threads"], "sync_choice": choice["by_threads"],
+               "rows": rows} | summarize(rows)
     vs = summary["vs_sync"]
     print(f"time to 70% of TRL's gain, ShardRL / TRL: "
           f"{fmt(summary['target_time_ratio']['median'])} (target <= 1.0, aim 0.5) | "

@@ -8,6 +8,7 @@ import math
 import pytest
 from bench.curves import (
     binomial_se,
+    bootstrap_interval,
     gain_curve,
     idle_together,
     intersect,
@@ -30,12 +31,15 @@ from bench.curves import (
 from bench.run_all import _spread, _trl
 from bench.trl_bench import (
     MACHINE_STAGES,
+    choose_baseline,
     compare,
     compare_sync,
     cpu_per_step,
     last_per_writer,
     learner_waits,
     pipeline_figures,
+    pooled,
+    pooled_interval,
     rollout_pauses,
     summarize,
 )
@@ -437,3 +441,97 @@ def test_pooled_time_to_gain_averages_the_gain_curves_before_crossing():
     assert pooled_time_to_gain([seed1], [(0.5, 1.0)], fraction=0.9) is None
     with pytest.raises(ValueError, match="no gain"):
         gain_curve(seed1, 0.9, 0.9)
+
+
+# -- the baseline's thread count, repeats without TRL, bootstrap intervals ------------------
+FAST_SYNC = [(t / 3, p) for t, p in SYNC]
+"""SYNC three times as fast: its pooled time to its own target is 23.25 / 3 = 7.75 s."""
+
+
+def _sync_runs_row(**runs: list) -> dict:
+    row = _row(0.4, 2.0, 0.9)
+    side = row.pop("sync")
+    row["sync_runs"] = {t: side | {"curve": curve} for t, curve in runs.items()}
+    vs = row.pop("vs_sync")
+    row["vs_sync_runs"] = {t: vs | {"made_against": t} for t in runs}
+    return row
+
+
+def test_bootstrap_interval_of_a_mean_over_two_repeats():
+    values = [1.0, 3.0]
+
+    def mean(idx: list[int]) -> float:
+        return sum(values[i] for i in idx) / len(idx)
+
+    # resamples: (1, 1) a quarter of the time, (1, 3) or (3, 1) half, (3, 3) a quarter: the 5%
+    # and 95% quantiles are the two extremes
+    assert bootstrap_interval(mean, 2, draws=400) == (1.0, 3.0)
+    assert bootstrap_interval(lambda idx: 7.0, 5, draws=50) == (7.0, 7.0)
+    assert bootstrap_interval(mean, 1) is None  # one repeat: nothing to resample
+
+
+def test_choose_baseline_takes_the_thread_count_that_reaches_its_target_soonest():
+    rows = [_sync_runs_row(**{"1": SYNC, "2": FAST_SYNC}) for _ in range(2)]
+    choice = choose_baseline(rows)
+    # target 0.5 + 0.7 x 0.15 = 0.605 either way; ShardRL reaches it at 10.25 s (see above)
+    assert choice["threads"] == 2
+    assert choice["by_threads"]["1"]["pooled_seconds"] == pytest.approx(23.25)
+    assert choice["by_threads"]["2"]["pooled_seconds"] == pytest.approx(7.75)
+    assert choice["by_threads"]["1"]["pooled_speedup"] == pytest.approx(23.25 / 10.25)
+    assert choice["by_threads"]["2"]["pooled_speedup"] == pytest.approx(7.75 / 10.25)
+    for row in rows:
+        assert row["sync"]["curve"] == FAST_SYNC
+        assert row["vs_sync"]["made_against"] == "2"
+
+
+def test_pooled_interval_spans_what_other_seeds_could_give():
+    same = [_row(0.4, 2.0, 0.9) for _ in range(3)]
+    # identical repeats: every resample gives the pooled figure itself
+    low_high = pooled_interval(same, "sync", draws=100)
+    assert low_high["low"] == pytest.approx(23.25 / 10.25)
+    assert low_high["high"] == pytest.approx(23.25 / 10.25)
+    assert low_high["level"] == 0.9
+    # a slow and a fast baseline repeat: the fast one twice (a quarter of the resamples) gives
+    # 7.75 / 10.25, the lowest value. The mixed half: the mean gain curve is (1/3 + 2/3) / 2
+    # = 0.5 at 15 s (the fast curve ends there at 0.6, held) and (1 + 2/3) / 2 = 5/6 at 30 s,
+    # so it crosses 0.7 at 15 + 15 x 0.2 / (1/3) = 24 s, later than the slow one's 23.25 s:
+    # 24 / 10.25 is the top
+    slow, fast = _row(0.4, 2.0, 0.9), _row(0.4, 2.0, 0.9)
+    fast["sync"] = fast["sync"] | {"curve": FAST_SYNC}
+    got = pooled_interval([slow, fast], "sync", draws=400)
+    assert got["low"] == pytest.approx(7.75 / 10.25)
+    assert got["high"] == pytest.approx(24.0 / 10.25)
+    # ShardRL's time over TRL's (13.75 / 26.25 on every repeat)
+    trl = pooled_interval(same, "trl", draws=100)
+    assert trl["low"] == pytest.approx(13.75 / 26.25) == trl["high"]
+
+
+def test_summarize_takes_the_trl_figures_from_the_repeats_that_ran_it():
+    without_trl = _row(0.9, 1.0, 0.8)
+    del without_trl["trl"], without_trl["target_time_ratio"], without_trl["time_ratio"]
+    rows = [_row(0.4, 2.0, 0.9), _row(0.6, 1.5, 0.85), without_trl]
+    out = summarize(rows)
+    assert out["repeats_vs_trl"] == 2 and out["repeats_vs_sync"] == 3
+    assert out["target_time_ratio"]["median"] == pytest.approx(0.5)  # 0.4 and 0.6 only
+    assert out["trl"]["final_pass"]["median"] == pytest.approx(0.875)
+    assert out["vs_sync"]["time_speedup"]["median"] == 1.5  # 1.0, 1.5, 2.0
+    assert out["shardrl"]["final_pass"]["median"] == 0.85
+    assert out["pooled"]["vs_trl"]["repeats"] == 2 and out["pooled"]["vs_sync"]["repeats"] == 3
+    assert "trl" not in out["pooled"]["vs_sync"]  # not every repeat has a TRL curve
+    assert set(pooled(rows, "sync")) == {"repeats", "shardrl", "sync"}
+
+
+def test_table_names_the_chosen_thread_count_and_the_interval():
+    rows = [_sync_runs_row(**{"1": SYNC, "2": FAST_SYNC}) for _ in range(2)]
+    choice = choose_baseline(rows)
+    out = summarize(rows) | {"repeats": 2, "seeds": [0, 1], "sync_threads": choice["threads"],
+                             "sync_choice": choice["by_threads"]}
+    table = {name: cell for _, name, _, cell in _trl(out)}
+    chosen = next(name for name in table if name.startswith("the baseline's torch threads"))
+    assert table[chosen] == "1 thread: 23.25 s / 2.27x; 2 threads: 7.75 s / 0.76x (chosen)"
+    first = next(name for name in table if name.startswith("time to 70% of the sync"))
+    assert "of 2 repeats, seeds 0-1" in first
+    pooled_row = next(name for name in table if "repeats' gain curves (each repeat's share of "
+                      "its sync" in name)
+    assert "90% bootstrap interval" in pooled_row
+    assert table[pooled_row] == "0.76x (0.76x to 0.76x)"
