@@ -708,8 +708,9 @@ def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
 def choose_baseline(rows: list[dict]) -> dict:
     """Make the fastest thread count of the baseline every row's `sync` (and `vs_sync`):
     the count whose runs reach 70% of their own gain soonest on the mean of the repeats'
-    gain curves, as a user would tune a loop before comparing anything with it. Returns,
-    per thread count, that pooled time and ShardRL's pooled speedup against it."""
+    gain curves, as a user would tune a loop before comparing anything with it; the other
+    counts' runs move to `sync_other_threads` and `vs_sync_other_threads`. Returns, per
+    thread count, that pooled time and ShardRL's pooled speedup against it."""
     choice = {}
     for t in rows[0]["sync_runs"]:
         runs = [dict(r, sync=r["sync_runs"][t]) for r in rows]
@@ -718,8 +719,10 @@ def choose_baseline(rows: list[dict]) -> dict:
                      "pooled_speedup": ratio(by_sync["sync"], by_sync["shardrl"])}
     best = min(choice, key=lambda t: (choice[t]["pooled_seconds"] is None,
                                       choice[t]["pooled_seconds"] or 0.0))
-    for r in rows:
-        r["sync"], r["vs_sync"] = r["sync_runs"][best], r["vs_sync_runs"][best]
+    for r in rows:  # the other counts' runs stay beside the chosen one, not twice
+        r["sync"], r["vs_sync"] = r["sync_runs"].pop(best), r["vs_sync_runs"].pop(best)
+        r["sync_other_threads"] = r.pop("sync_runs")
+        r["vs_sync_other_threads"] = r.pop("vs_sync_runs")
     return {"threads": int(best), "by_threads": choice}
 
 

@@ -482,6 +482,8 @@ def test_choose_baseline_takes_the_thread_count_that_reaches_its_target_soonest(
     for row in rows:
         assert row["sync"]["curve"] == FAST_SYNC
         assert row["vs_sync"]["made_against"] == "2"
+        assert row["sync_other_threads"]["1"]["curve"] == SYNC  # kept once, beside it
+        assert set(row["vs_sync_other_threads"]) == {"1"} and "sync_runs" not in row
 
 
 def test_pooled_interval_spans_what_other_seeds_could_give():
