@@ -15,7 +15,7 @@ from shardrl.orchestrate.accounting import account
 from shardrl.stages import EXIT_RUN_ABORTED
 from shardrl.stages.evaluate import summaries
 from shardrl.stages.staleness import backlog_cap, group_cap
-from shardrl.store import LocalStore, RunKeys
+from shardrl.store import LocalStore, RunKeys, shards_by_name
 
 from .test_faults import finish, run_args, start_runner, write_config
 
@@ -49,7 +49,8 @@ def test_a_run_without_signal_aborts_with_the_diagnosis_and_a_bounded_backlog(tm
     assert progress["kept_groups_by_worker"].get("0", 0) == 0
     # the worker never had more than its bound of groups waiting (cap of kept groups
     # 2 x (1 + 1) = 4, so 32 groups), plus the batch it had started: 8 shards of 2 groups
-    written = sum(1 for k in store.list(keys.kind_prefix("rollouts")) if k.endswith(".parquet"))
+    written = len(shards_by_name(store, keys, ("rollouts", "ready")))
+    assert written > 0
     bound = group_cap(backlog_cap(2, 1, max_backlog_steps=1, k=2))
     assert bound == 32
     assert 2 * written <= progress["groups_by_worker"]["0"] + bound + 2 * 8

@@ -26,7 +26,7 @@ from shardrl.orchestrate.accounting import account
 from shardrl.stages.context import MetricsSink, StageContext
 from shardrl.stages.engine import PolicyEngine
 from shardrl.stages.rollout import MAX_EMPTY_SHARDS, _fitting
-from shardrl.store import LocalStore, RunKeys, read_shard, write_shard
+from shardrl.store import LocalStore, RunKeys, read_shard, shards_by_name, write_shard
 from shardrl.store.schemas import READY, ROLLOUT, SCORED
 from shardrl.tasks.builtin import TaskItem
 from shardrl.tasks.datasets import DatasetError
@@ -80,7 +80,8 @@ def base(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SHARDRL_CACHE", str(root / "cache"))
         torch.set_num_threads(1)
-        cfg = config(root, "model.sft.enabled=false")
+        # the template's rollout shard is written alongside its ready shard
+        cfg = config(root, "model.sft.enabled=false", "rollout.inline_shards=all")
         store = LocalStore(root / "store")
         for stage in ("snapshot", "rollout"):
             torch.manual_seed(0)
@@ -229,7 +230,7 @@ def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):
     with pytest.raises(RuntimeError, match="longer than the context"):
         run_stage(store, cfg, run_id, "rollout")
     keys = RunKeys(run_id)
-    assert store.list(keys.kind_prefix("rollouts")) == []
+    assert shards_by_name(store, keys, ("rollouts", "ready")) == {}
     assert len(store.list(keys.root + "quarantine/rollout/prompts/")) == MAX_EMPTY_SHARDS
 
 

@@ -1,5 +1,6 @@
-"""Inline post-processing: a rollout worker writes the scored and ready shards the score and
-prepare stages would have written, and finishes a shard a crash left without them."""
+"""Inline post-processing: a rollout worker writes the ready shards the score and prepare
+stages would have written (with `inline_shards: all` the rollout and scored shards too), and
+finishes a shard a crash left without its ready shard."""
 
 from __future__ import annotations
 
@@ -61,8 +62,28 @@ def test_inline_shards_equal_what_the_stages_write(tmp_path):
     assert kept_groups(ready) == 1
 
 
-def test_a_rollout_shard_left_without_its_ready_shard_is_finished_on_restart(tmp_path):
+def test_by_default_the_ready_shard_alone_is_written_and_holds_the_earlier_columns(tmp_path):
     ctx = context(tmp_path, "rollout")
+    assert ctx.cfg.rollout.inline_shards == "ready"
+    store, keys, post = ctx.store, ctx.keys, InlinePostprocess(ctx)
+    key = keys.rollout(3, 0, 7)
+    table = rollout_table(3, 0, 7)
+    scored, ready = post.process(table)
+    post.write(key, table, scored, ready, post.preparer.record(key, ready))
+    assert not store.exists(key) and not store.exists(keys.scored_for(key))
+    stored = read_shard(store, keys.ready_for(key), READY)
+    assert stored.select(ROLLOUT.names).equals(table)
+    assert stored.select(SCORED.names).equals(scored.cast(SCORED))
+    assert post.preparer.recent == ["w00-000007.parquet"]  # its statistics are recorded
+    # with `all`, the rollout and scored shards come first, as the stages would write them
+    every = InlinePostprocess(context(tmp_path / "all", "rollout", "rollout.inline_shards=all"))
+    every.write(key, table, scored, ready, every.preparer.record(key, ready))
+    assert read_shard(every.ctx.store, key, ROLLOUT).equals(table)
+    assert read_shard(every.ctx.store, keys.scored_for(key), SCORED).equals(scored.cast(SCORED))
+
+
+def test_a_rollout_shard_left_without_its_ready_shard_is_finished_on_restart(tmp_path):
+    ctx = context(tmp_path, "rollout", "rollout.inline_shards=all")
     store, keys = ctx.store, RunKeys("r")
     done, orphan = keys.rollout(2, 0, 4), keys.rollout(3, 0, 5)
     other_worker = keys.rollout(3, 1, 0)

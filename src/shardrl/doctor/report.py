@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ..store import LocalStore, RunKeys, Store
+from ..store import LocalStore, RunKeys, Store, shards_by_name
 from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
 from .fit import NotEnoughData, ScalingFit, eval_points, fit_scaling, param_count
@@ -59,8 +59,9 @@ def staleness_histogram(store: Store, keys: RunKeys) -> dict[int, int]:
 
 def group_pass_rates(store: Store, keys: RunKeys, max_shards: int = MAX_SHARDS
                      ) -> list[tuple[int, float]]:
-    """(policy version, share of correct samples) per prompt group of the scored shards."""
-    shard_keys = [k for k in store.list(keys.kind_prefix("scored")) if k.endswith(".parquet")]
+    """(policy version, share of correct samples) per prompt group of the scored shards (or
+    the ready shards, which hold their columns, where no scored shard was written)."""
+    shard_keys = [k for _, k in sorted(shards_by_name(store, keys, ("scored", "ready")).items())]
     if len(shard_keys) > max_shards:
         shard_keys = [shard_keys[i] for i in np.linspace(0, len(shard_keys) - 1, max_shards,
                                                          dtype=int)]

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
-from ..store import RunKeys, Store, parse_shard_key, read_shard
+from ..store import RunKeys, Store, parse_shard_key, read_shard, shards_by_name
 from ..store.schemas import READY, SCORED
 from .series import open_run
 
@@ -24,9 +24,10 @@ every turn and the environment's replies between them)."""
 
 
 def versions_with_data(store: Store, keys: RunKeys) -> list[int]:
-    """Policy versions that have scored shards, ascending."""
-    return sorted({parse_shard_key(k).version for k in store.list(keys.kind_prefix("scored"))
-                   if k.endswith(".parquet")})
+    """Policy versions that have scored shards (or ready ones, which hold their columns),
+    ascending."""
+    return sorted({parse_shard_key(k).version
+                   for k in shards_by_name(store, keys, ("scored", "ready")).values()})
 
 
 def load_samples(store: Store, keys: RunKeys, version: int) -> pa.Table | None:

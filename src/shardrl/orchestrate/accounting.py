@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from ..store import RunKeys, Store
 from ..store.keys import parse_shard_key
 from ..store.records import LedgerDelta, Progress
+from ..store.shards import shards_by_name
 
 
 @dataclass
@@ -48,9 +49,9 @@ def _rows(store: Store, key: str) -> int | None:
 
 def account(store: Store, keys: RunKeys) -> Accounting:
     acc = Accounting()
-    rollouts = {parse_shard_key(k).name: k
-                for k in store.list(keys.kind_prefix("rollouts")) if k.endswith(".parquet")}
-    rows = {name: _rows(store, key) or 0 for name, key in rollouts.items()}
+    # every generated shard: its rollout shard, or its ready shard alone (inline_shards)
+    generated = shards_by_name(store, keys, ("rollouts", "ready"))
+    rows = {name: _rows(store, key) or 0 for name, key in generated.items()}
     # the ledger: every shard the learner committed, exactly once
     seen: set[str] = set()
     for key in store.list(keys.ledger_prefix()):
@@ -64,22 +65,24 @@ def account(store: Store, keys: RunKeys) -> Accounting:
     counts = Progress.read(store, keys.progress()).counts
     acc.consumed = int(counts.get("consumed", 0))
     acc.filtered = int(counts.get("filtered", 0))
-    # quarantine: a rollout shard moved away (score), or a derived shard (prepare, learn)
+    # quarantine: a shard whose name is still generated (a scored or ready shard moved away
+    # by prepare or the learner) counts that shard's rows; one that was moved away with no
+    # other shard of its name left (a rollout shard by score, an inline worker's only ready
+    # shard by the learner) counts its own rows, which were generated too
     quarantined: set[str] = set()
     for key in store.list(keys.quarantine_prefix()):
         try:
-            shard = parse_shard_key(keys.unquarantined(key)[1])
+            name = parse_shard_key(keys.unquarantined(key)[1]).name
         except ValueError:  # not a shard (an error note, a prompt record)
             continue
-        name = shard.name
         quarantined.add(name)
-        if shard.kind == "rollouts":
-            n = _rows(store, key)
-            acc.unreadable_quarantined_shards += n is None
-            acc.generated += n or 0
-            acc.quarantined += n or 0
-        else:
-            acc.quarantined += rows.get(name, 0)
+        if name in rows:
+            acc.quarantined += rows[name]
+            continue
+        n = _rows(store, key)
+        acc.unreadable_quarantined_shards += n is None
+        acc.generated += n or 0
+        acc.quarantined += n or 0
     acc.generated += sum(rows.values())
     acc.unconsumed = sum(n for name, n in rows.items() if name not in seen and name not in quarantined)
     return acc

@@ -2,14 +2,19 @@
 
 When rewards come from cheap verifiers and no reference logprobs are needed, the score and
 prepare stages would only add two processes and two store hops per shard. A worker then
-runs the same `Scorer` and `Preparer` on each shard it generates and writes the same three
-shards (`rollouts/`, `scored/`, `ready/`, same name, same schemas) in that order, so the
-learner, the accounting, quarantine and every reader see exactly what the stages would
-have written. Metrics keep their `score/` and `prepare/` names.
+runs the same `Scorer` and `Preparer` on each shard it generates and writes the ready shard
+they would have written, under the same name: the learner, the accounting, quarantine and
+every reader see what the stages would have made. The ready shard holds every column of the
+rollout and scored shards, so by default (`rollout.inline_shards: ready`) it is the only
+shard written, one store write per generated shard instead of three; with `all` the worker
+also writes the rollout and scored shards first, in pipeline order. Metrics keep their
+`score/` and `prepare/` names.
 
-A crash can leave a rollout shard whose ready shard was not written: the restarted worker
-finishes those first (`recover`), before it reserves a new sequence number, so the learner
-never closes a version that still owes a ready shard.
+With `all`, a crash can leave a rollout shard whose ready shard was not written: the
+restarted worker finishes those first (`recover`), before it reserves a new sequence
+number, so the learner never closes a version that still owes a ready shard. With `ready`
+a crash before the single write leaves a gap in the sequence numbers, as a crash of a
+worker without post-processing does.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class InlinePostprocess:
         self.scorer = Scorer(self._as("score"))
         state = STATE if ctx.workers == 1 else f"w{ctx.worker:02d}.json"
         self.preparer = Preparer(self._as("prepare"), state)
+        self.all_shards = ctx.cfg.rollout.inline_shards == "all"
+        """Whether the rollout and scored shards are written too (else the ready one alone)."""
 
     def _as(self, stage: str) -> StageContext:
         """This worker's context under another stage's name (its metrics keep their names)."""
@@ -56,18 +63,21 @@ class InlinePostprocess:
 
     def write(self, key: str, rollout: pa.Table | None, scored: pa.Table, ready: pa.Table,
               state: dict) -> None:
-        """Write the shards in pipeline order, then the preparer state they advance (the
-        store writer thread runs this; `state` was captured when the shard was prepared)."""
+        """Write the shards in pipeline order (the rollout and scored ones only with
+        `inline_shards: all`; `rollout` None: stored already), then the preparer state they
+        advance (the store writer thread runs this; `state` was captured when the shard was
+        prepared)."""
         store, keys = self.ctx.store, self.ctx.keys
-        if rollout is not None:
-            write_shard(store, key, rollout, ROLLOUT)
-        write_shard(store, keys.scored_for(key), scored, SCORED)
+        if self.all_shards:
+            if rollout is not None:
+                write_shard(store, key, rollout, ROLLOUT)
+            write_shard(store, keys.scored_for(key), scored, SCORED)
         write_shard(store, keys.ready_for(key), ready, READY)
         self.preparer.save(state)
 
     def recover(self, last_version: int, newest: int) -> None:
-        """Finish this worker's rollout shards that have no ready shard yet (a crash between
-        the writes), and merge preparer statistics of ready shards not yet recorded."""
+        """Finish this worker's rollout shards that have no ready shard yet (`all`: a crash
+        between the writes), and merge preparer statistics of ready shards not yet recorded."""
         ctx, store, keys = self.ctx, self.ctx.store, self.ctx.keys
         low = min(read_cursor(store, keys, "learn"), last_version)
         mine = f"w{ctx.worker:02d}-"

@@ -29,6 +29,7 @@ from shardrl.store.shards import (
     quarantine,
     read_or_quarantine,
     read_shard,
+    shards_by_name,
     write_shard,
 )
 
@@ -55,5 +56,5 @@ __all__ = [
     "CorruptShard", "LocalStore", "NotFound", "PermanentStoreError", "RetryPolicy", "RunKeys",
     "SchemaError", "ShardError", "ShardKey", "Store", "StoreError", "StoreUnavailable",
     "list_column_to_padded", "open_store", "padded_to_list_array", "parse_shard_key",
-    "quarantine", "read_or_quarantine", "read_shard", "write_shard",
+    "quarantine", "read_or_quarantine", "read_shard", "shards_by_name", "write_shard",
 ]

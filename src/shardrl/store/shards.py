@@ -20,10 +20,23 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shardrl.store.base import NotFound, Store
-from shardrl.store.keys import error_key, quarantine_key
+from shardrl.store.keys import RunKeys, ShardKind, error_key, parse_shard_key, quarantine_key
 from shardrl.store.schemas import EPISODE, ROLLOUT
 
 log = logging.getLogger("shardrl.store")
+
+
+def shards_by_name(store: Store, keys: RunKeys, kinds: tuple[ShardKind, ...]) -> dict[str, str]:
+    """Every shard name (`ShardKey.name`) under the run's `kinds` -> its key in the first of
+    `kinds` that has it. A shard's rows are the same in each of its kinds, so ("rollouts",
+    "ready") finds every generated shard also when a worker with inline post-processing
+    wrote the ready shard alone (`rollout.inline_shards`)."""
+    out: dict[str, str] = {}
+    for kind in kinds:
+        for key in store.list(keys.kind_prefix(kind)):
+            if key.endswith(".parquet"):
+                out.setdefault(parse_shard_key(key).name, key)
+    return out
 
 
 class ShardError(Exception):
