@@ -293,3 +293,28 @@ def test_invalid_config_lists_every_problem_and_creates_nothing(tmp_path):
     assert not (tmp_path / "store").exists()
     res = run_cli(["config", "validate", str(bad)], tmp_path, timeout=120)
     assert res.returncode != 0 and "rollout.group_size" in (res.stdout + res.stderr)
+
+
+def test_a_failed_shard_write_stops_the_worker_even_when_a_later_write_succeeds(run, monkeypatch):
+    """The writes of one generation batch run on a background thread; each is checked, not
+    only the batch's last, so a lost shard can never pass for a written one."""
+    store, cfg, run_id, _ = run
+    from shardrl.stages.inline import InlinePostprocess
+
+    cfg = replace(cfg, {"learner.batch_prompts": 6})  # a round of 3 shards in one batch
+    written = []
+    real_write = InlinePostprocess.write
+
+    def write(self, key, *args):
+        if not written:
+            written.append(None)
+            raise OSError(f"disk full writing {key}")
+        written.append(key)
+        return real_write(self, key, *args)
+
+    monkeypatch.setattr(InlinePostprocess, "write", write)
+    with pytest.raises(OSError, match="disk full writing .*w00-000000"):
+        run_stage(store, cfg, run_id, "rollout")
+    assert len(written) >= 2  # a later shard of the round was written after the failed one
+    names = shards_by_name(store, RunKeys(run_id), ("rollouts", "ready"))
+    assert "w00-000000.parquet" not in names and len(names) == len(written) - 1

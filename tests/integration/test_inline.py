@@ -105,6 +105,12 @@ def test_a_rollout_shard_left_without_its_ready_shard_is_finished_on_restart(tmp
     # nothing is redone once finished
     restarted.recover(last_version=3, newest=3)
     assert restarted.preparer.recent == ["w00-000004.parquet", "w00-000005.parquet"]
+    # nor a ready shard the learner quarantined: its samples must not come back as new ones
+    bad = keys.ready_for(orphan)
+    store.put_bytes(keys.quarantine("learn", bad), store.get_bytes(bad))
+    store.delete(bad)
+    InlinePostprocess(ctx).recover(last_version=3, newest=3)
+    assert not store.exists(bad)
 
 
 def npr_shard(seq: int, easy_right: bool) -> pa.Table:

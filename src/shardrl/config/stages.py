@@ -50,9 +50,10 @@ class RolloutConfig(Section):
     inline_shards: Literal["ready", "all"] = "ready"
     """With inline post-processing, what a worker writes per generated shard. `ready`: the
     ready shard alone, which holds every column of the rollout and scored shards: one store
-    write instead of three (on the demo, 2 cores, 8 seeds: 14% less CPU per optimizer step
-    and steps 1.14x as fast up to version 30, 1.22x after). `all`: also the rollout and scored shards, as the score and prepare stages would
-    write them (to keep each step's output apart, for instance). Readers (the learner, the
+    write instead of three (on the demo, 2 cores, 8 seeds paired: 14% less CPU per optimizer
+    step, steps 1.14x as fast up to version 30 and 1.22x after). `all`: also the rollout
+    and scored shards, as the score and prepare stages would write them (to keep each
+    step's output apart, for instance). Readers (the learner, the
     accounting, reports) take a shard's rows from whichever of its shards exists."""
     poll_interval_s: float = Field(0.2, gt=0.0, le=600.0)
     """Longest wait between checks while paused (a commit by the learner wakes it sooner)."""

@@ -29,7 +29,7 @@ from ..store.schemas import READY, ROLLOUT, SCORED
 from ..store.shards import read_or_quarantine, write_shard
 from .context import MetricsSink, StageContext
 from .prepare import STATE, Preparer
-from .scan import read_cursor
+from .scan import output_names, read_cursor
 from .score import Scorer
 
 
@@ -77,12 +77,13 @@ class InlinePostprocess:
 
     def recover(self, last_version: int, newest: int) -> None:
         """Finish this worker's rollout shards that have no ready shard yet (`all`: a crash
-        between the writes), and merge preparer statistics of ready shards not yet recorded."""
+        between the writes; one the learner quarantined counts as finished), and merge preparer statistics of ready shards not yet recorded."""
         ctx, store, keys = self.ctx, self.ctx.store, self.ctx.keys
         low = min(read_cursor(store, keys, "learn"), last_version)
         mine = f"w{ctx.worker:02d}-"
+        finished = output_names(store, keys, "ready")  # the learner's quarantine counts too
         for version in range(low, newest + 1):
-            ready = {shard_name(k) for k in store.list(keys.version_prefix("ready", version))}
+            ready = finished(version)
             for key in store.list(keys.version_prefix("rollouts", version)):
                 if not shard_name(key).startswith(mine) or shard_name(key) in ready:
                     continue

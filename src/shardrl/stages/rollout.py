@@ -55,7 +55,7 @@ def main(ctx: StageContext) -> int:
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
-    last: Future | None = None
+    writes: list[Future] = []  # the previous batch's shard writes, each checked before the next
     try:
         while not ctx.done():
             if ctx.once and flow.round_done():
@@ -108,8 +108,9 @@ def main(ctx: StageContext) -> int:
                                           prompt_ids, rc.group_size, **sampling)
             seconds = time.monotonic() - started
             flow.sampled(time.thread_time() - cpu_started)
-            if last is not None:
-                last.result()  # the previous batch is stored (or its error surfaces here)
+            for write in writes:  # the previous batch is stored (or its first error surfaces here)
+                write.result()
+            writes = []
             at = 0
             latest = ctx.latest_version() or engine.version  # for the shards' version lag
             for seq, items in shards:
@@ -128,7 +129,7 @@ def main(ctx: StageContext) -> int:
                 else:
                     flow.wrote(len(items), None)
                     job = (_write_reserved, reserved, store, key, table)
-                last = writer.submit(*job)
+                writes.append(writer.submit(*job))
                 _log_metrics(ctx, engine.version, latest, table,
                              seconds * len(items) / len(prompt_ids), flow)
             flow.generated(time.monotonic() - started)
@@ -136,8 +137,8 @@ def main(ctx: StageContext) -> int:
         writer.shutdown()  # waits for the writes still queued
         if post is not None:
             post.flush()
-    if last is not None:
-        last.result()
+    for write in writes:
+        write.result()
     return 0
 
 
@@ -149,7 +150,8 @@ def _write_reserved(reserved: Future, store: Store, key: str, table: pa.Table) -
 
 def _write_inline(reserved: Future, post, key: str, table: pa.Table, scored: pa.Table,
                   ready: pa.Table, prep_state: dict) -> None:
-    """The rollout, scored and ready shards of one reservation, in pipeline order."""
+    """The shards of one reservation (the ready one; with `inline_shards: all` the rollout
+    and scored ones before it), once the reservation is stored."""
     reserved.result()
     post.write(key, table, scored, ready, prep_state)
 

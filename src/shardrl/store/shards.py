@@ -143,13 +143,14 @@ def _check_nulls(table: pa.Table, schema: pa.Schema) -> None:
 
 
 CODEC = "lz4"
-"""Parquet compression of the shards written. Every generated shard is written three times
-(rollouts, scored, ready) and read by the next stage, on the cores that generate and train,
-and most of its bytes are token ids and float logprobs, which compress little. Measured on
-the demo's shards, LZ4 encodes and decodes in under half the time of zstd for 6-10% more
-bytes (about 2.6 ms of CPU saved per generated shard, 1.9 writing its three shards and 0.7
-reading the ready one, some 10% of what a shard costs end to end); on SmolLM2's, 4% more
-bytes. Readers take any codec: shards written with zstd read alike."""
+"""Parquet compression of the shards written. A generated shard is written once (its ready
+shard, with inline post-processing) or three times (rollouts, scored, ready: the score and
+prepare stages, or `rollout.inline_shards: all`) and read by the next stage, on the cores
+that generate and train, and most of its bytes are token ids and float logprobs, which
+compress little. Measured on the demo's shards, LZ4 encodes and decodes in under half the
+time of zstd for 6-10% more bytes (with three writes, about 2.6 ms of CPU saved per
+generated shard, 1.9 writing them and 0.7 reading the ready one, some 10% of what a shard
+cost end to end); on SmolLM2's, 4% more bytes. Readers take any codec: shards written with zstd read alike."""
 
 
 def encode_shard(table: pa.Table, schema: pa.Schema) -> bytes:
