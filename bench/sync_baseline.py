@@ -21,8 +21,8 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
   and No-Positive-Resampling's pass-rate history when it is on.
 - update: exactly when the learner would step, i.e. once the shards since the last step hold
   `learner.batch_prompts` prompt groups kept by filtering (more shards are generated until
-  they do, or until `FILTERED_LIMIT` batches' worth of groups are in); `compute_loss` of the
-  update stage on the kept rows, then the torch learner backend's AdamW (the config's lr,
+  they do, or until `FILTERED_LIMIT` batches' worth of groups are in); `update_loss` of the
+  update stage on the kept rows (split into micro-batches as the learner splits them), then the torch learner backend's AdamW (the config's lr,
   betas, weight decay and gradient clip) at `lr x lr_schedule(version)` (warmup and decay).
 
 What it does not cover (it raises): KL terms (a reference model), GAE (a critic) and the vLLM
@@ -309,7 +309,7 @@ class SyncTrainer:
     def update(self, table) -> bool:
         """The learner's update on the kept rows; True when a step was applied."""
         from shardrl.algo import lr_schedule
-        from shardrl.stages.update import compute_loss
+        from shardrl.stages.update import update_loss
 
         lc = self.cfg.learner
         kept = table.filter(table.column("keep"))
@@ -323,8 +323,8 @@ class SyncTrainer:
                             min_ratio=lc.min_lr_ratio)
         self.backend.set_lr("policy", lc.lr * scale)
         self.model.train()
-        loss, _, _ = compute_loss(self.cfg, self.backend.policy, kept,
-                                  self.tokenizer.pad_token_id, 0.0, None)
+        loss, _ = update_loss(self.cfg, self.backend.policy, kept, self.tokenizer.pad_token_id,
+                              0.0, None, self.cfg.learner.backend.kind)
         applied, _ = self.backend.step(loss)
         self.model.eval()
         self.seconds["update"] += time.monotonic() - started

@@ -3,6 +3,7 @@ loss and gradient in every aggregation mode, and chunked logits give the unchunk
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -11,7 +12,13 @@ from shardrl.config import load_config
 from shardrl.learner_backends.torch_backend import apply_step
 from shardrl.models.heads import logits_chunk, token_logprobs
 from shardrl.stages.batch import build_batch
-from shardrl.stages.update import aggregation_weights, compute_loss, micro_losses
+from shardrl.stages.update import (
+    aggregation_weights,
+    compute_loss,
+    micro_losses,
+    plan_micro_batches,
+    update_loss,
+)
 
 
 def test_aggregation_weights_by_hand():
@@ -158,3 +165,43 @@ def test_activation_checkpointing_keeps_the_gradient_and_saves_less():
     for a, b in zip(plain, ckpt, strict=True):
         torch.testing.assert_close(a, b)
     assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)
+
+
+def test_token_budget_plan_sorts_rows_and_bounds_padded_tokens():
+    lengths = np.array([9, 3, 5, 3, 12, 4])
+    order, parts = plan_micro_batches(lengths, rows=None, tokens=12)
+    # shortest first (ties keep their order): 3 3 4 | 5 | 9 | 12, each part rows x longest <= 12
+    assert order.tolist() == [1, 3, 5, 2, 0, 4]
+    assert parts == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    # with a row bound too: 3 3 | 4 5 (2 x 5 = 10 tokens) | 9 | 12
+    assert plan_micro_batches(lengths, rows=2, tokens=12)[1] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    # a row longer than the budget is a part of its own
+    assert plan_micro_batches(np.array([20, 2]), rows=None, tokens=8)[1] == [(0, 1), (1, 2)]
+    order, parts = plan_micro_batches(lengths, rows=4, tokens=None)  # rows alone: in order
+    assert order.tolist() == list(range(6)) and parts == [(0, 4), (4, 6)]
+    assert plan_micro_batches(np.array([], dtype=np.int64), None, 8)[1] == []
+
+
+def test_a_token_budget_step_equals_the_whole_batch_step(tiny_policy):
+    table = _table(tiny_policy)
+    whole_cfg = load_config("demo", ["algo.aggregation=prompt"])
+    split_cfg = load_config("demo", ["algo.aggregation=prompt", "learner.micro_batch_tokens=8"])
+    loss, metrics = update_loss(whole_cfg, tiny_policy, table, 0, 0.0)
+    assert isinstance(loss, torch.Tensor)
+    tiny_policy.zero_grad()
+    loss.backward()
+    expected = _grads(tiny_policy)
+    losses, got = update_loss(split_cfg, tiny_policy, table, 0, 0.0)
+    tiny_policy.zero_grad()
+    parts = 0
+    for part in losses:
+        part.backward()
+        parts += 1
+    assert parts > 1  # the budget did split the batch
+    for a, b in zip(_grads(tiny_policy), expected, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    for key in ("policy_loss", "entropy", "logprob_mismatch_abs"):
+        assert float(got[key]) == pytest.approx(float(metrics[key]), rel=1e-5, abs=1e-7), key
+    # DeepSpeed (or GAE) cannot split a batch: the budget leaves it whole
+    loss, _ = update_loss(split_cfg, tiny_policy, table, 0, 0.0, backend_kind="deepspeed")
+    assert isinstance(loss, torch.Tensor)

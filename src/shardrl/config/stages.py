@@ -203,6 +203,16 @@ class LearnerConfig(Section):
     up to the gradient of the whole batch's loss (every aggregation normalizes over the
     whole batch), so the batch size no longer sets the activation memory. None: the whole
     batch at once. Plain torch backend only."""
+    micro_batch_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Padded tokens (rows x the longest row) per forward and backward pass, the rows
+    sorted by length first so that each micro-batch pads its rows to nearly their own
+    length; with `micro_batch` too, both bounds hold. The step is the whole batch's either
+    way (as with `micro_batch`). Applies with the plain torch backend and group-relative
+    advantages; with DeepSpeed or GAE the batch goes in one pass. None: no token bound.
+    On the demo's model (one thread, rows of 6-16 tokens) a budget of 1536 trained a batch
+    of 224 kept rows in about 17% less CPU time than one padded pass, and batches of 128-144
+    rows in about the same time, so the demo leaves it off; it pays where row lengths vary
+    more than the demo's."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight; published versions hold the merged
     weights. None: full fine-tuning. Plain torch backend only."""

@@ -183,7 +183,7 @@ class Backend(Protocol):
     def step(self, loss: Tensor) -> tuple[bool, float]:
         """Backward, clip, AdamW step. (False, norm) and no update when the loss or the
         gradient norm is not finite; the same decision on every rank. The torch backend also
-        takes an iterable of micro-batch losses (`learner.micro_batch`)."""
+        takes an iterable of micro-batch losses (`learner.micro_batch`, `micro_batch_tokens`)."""
         ...
 
     def gathered(self) -> AbstractContextManager[None]:

@@ -128,13 +128,48 @@ def aggregation_weights(mask: torch.Tensor, mode: str, groups: torch.Tensor) -> 
         return torch.autograd.grad(aggregate(x, mask, mode, groups), x)[0]
 
 
+def row_lengths(table: pa.Table) -> np.ndarray:
+    """(B,) tokens of each row: prompt plus response."""
+    def lengths(column: str) -> np.ndarray:
+        return np.diff(table.column(column).combine_chunks().offsets.to_numpy()).astype(np.int64)
+
+    return lengths("prompt_token_ids") + lengths("response_token_ids")
+
+
+def plan_micro_batches(lengths: np.ndarray, rows: int | None, tokens: int | None,
+                       ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(order, parts): the rows in the order to train them and the [start, stop) ranges of
+    that order that form the micro-batches, each at most `rows` rows (None: no bound) and
+    at most `tokens` padded tokens, rows x its longest row (None: no bound; a row longer
+    than that is a micro-batch of its own). With a token bound the rows go shortest first,
+    so that a micro-batch pads its rows to nearly their own length; without one they keep
+    their order."""
+    n = len(lengths)
+    order = np.argsort(lengths, kind="stable") if tokens is not None else np.arange(n)
+    parts: list[tuple[int, int]] = []
+    start = 0
+    for i in range(n):  # sorted ascending: row i is the longest of a part ending at it
+        size = i - start + 1
+        if i > start and ((rows is not None and size > rows) or
+                          (tokens is not None and size * int(lengths[order[i]]) > tokens)):
+            parts.append((start, i))
+            start = i
+    if n:
+        parts.append((start, n))
+    return order, parts
+
+
 def micro_losses(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,
-                 beta: float, size: int, metrics: dict[str, torch.Tensor],
-                 ) -> Iterator[torch.Tensor]:
-    """The losses of `table`'s micro-batches of `size` rows, one at a time, for gradient
-    accumulation: their sum is `compute_loss`'s loss of the whole table (up to float error)
-    and so is the sum of their gradients. `metrics` receives the whole batch's metrics:
-    losses and entropy added up, other means weighted by token (KL: sample) share."""
+                 beta: float, parts: int | list[tuple[int, int]],
+                 metrics: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The losses of `table`'s micro-batches, one at a time, for gradient accumulation:
+    `parts` is [start, stop) row ranges covering the table in order, or an int, ranges of
+    that many rows. Their sum is `compute_loss`'s loss of the whole table (up to float
+    error) and so is the sum of their gradients. `metrics` receives the whole batch's
+    metrics: losses and entropy added up, other means weighted by token (KL: sample) share."""
+    rows = len(table)
+    if isinstance(parts, int):
+        parts = [(first, min(first + parts, rows)) for first in range(0, rows, parts)]
     batch = build_batch(table, pad_id)
     mask = batch.response_mask  # (B, T)
     agg = aggregation_weights(mask, cfg.algo.aggregation, group_index(table))  # (B, T)
@@ -142,14 +177,14 @@ def micro_losses(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
     adv = torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32))  # (B,)
     if cfg.algo.advantages.norm == "batch":
         adv = batch_normalize(adv)
-    rows, total = len(table), mask.sum().clamp_min(1.0)
+    total = mask.sum().clamp_min(1.0)
     additive = {"policy_loss", "total_loss", "entropy"}
-    for first in range(0, rows, size):
-        part = slice(first, first + size)
+    for first, stop in parts:
+        part = slice(first, stop)
         share = Share(agg=agg[part], tokens=tokens[part], adv=adv[part],
                       token_frac=float(mask[part].sum() / total),
-                      sample_frac=len(range(rows)[part]) / rows)
-        loss, m, _ = compute_loss(cfg, policy, table.slice(first, size), pad_id, beta,
+                      sample_frac=(stop - first) / rows)
+        loss, m, _ = compute_loss(cfg, policy, table.slice(first, stop - first), pad_id, beta,
                                   share=share)
         for key, value in m.items():
             if key == "advantage_abs_max":
@@ -159,6 +194,32 @@ def micro_losses(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
                       share.sample_frac if key in ("kl_sum", "kl_mean") else share.token_frac)
             metrics[key] = metrics.get(key, 0.0) + weight * value
         yield loss
+
+
+def splits(cfg: RunConfig, backend_kind: str) -> bool:
+    """Whether the learner may split a batch into micro-batches: the plain torch backend
+    and group-relative advantages (GAE whitens over the whole batch's critic values)."""
+    return backend_kind == "torch" and cfg.algo.advantages.estimator != "gae"
+
+
+def update_loss(cfg: RunConfig, policy: PolicyLogprobs, kept: pa.Table, pad_id: int,
+                beta: float, critic=None, backend_kind: str = "torch",
+                ) -> tuple[torch.Tensor | Iterator[torch.Tensor], dict[str, torch.Tensor]]:
+    """What one learner update backpropagates on the kept rows: the whole batch's loss, or
+    its micro-batches' losses (`learner.micro_batch`, `learner.micro_batch_tokens`) as an
+    iterator for the backend's gradient accumulation; and the batch's metrics (filled as
+    the iterator is consumed)."""
+    lc = cfg.learner
+    if splits(cfg, backend_kind) and (lc.micro_batch or lc.micro_batch_tokens):
+        order, parts = plan_micro_batches(row_lengths(kept), lc.micro_batch,
+                                          lc.micro_batch_tokens)
+        if len(parts) > 1:
+            if lc.micro_batch_tokens is not None:
+                kept = kept.take(pa.array(order))
+            metrics: dict = {}
+            return micro_losses(cfg, policy, kept, pad_id, beta, parts, metrics), metrics
+    loss, metrics, _ = compute_loss(cfg, policy, kept, pad_id, beta, critic)
+    return loss, metrics
 
 
 def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id: int,

@@ -24,7 +24,7 @@ from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
 from ..staleness import effective_k
-from ..update import compute_loss, micro_losses
+from ..update import update_loss
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
@@ -298,13 +298,9 @@ class Learner:
             torch.manual_seed(self.cfg.seed * 1_000_003 + self.version)
         with self.ctx.cores.busy() as cores:
             self.threads.append(torch.get_num_threads())
-            if lc.micro_batch is not None and len(kept) > lc.micro_batch:
-                m: dict = {}  # filled as the step consumes the micro-batches' losses
-                loss = micro_losses(self.cfg, self.backend.policy, kept, self.pad_id, beta,
-                                    lc.micro_batch, m)
-            else:
-                loss, m, _ = compute_loss(self.cfg, self.backend.policy, kept, self.pad_id,
-                                          beta, self.backend.critic)
+            # m: filled as the step consumes the micro-batches' losses, if split
+            loss, m = update_loss(self.cfg, self.backend.policy, kept, self.pad_id, beta,
+                                  self.backend.critic, self.cfg.learner.backend.kind)
             cores.adjust()  # the backward pass may get cores the generator left meanwhile
             self.threads.append(torch.get_num_threads())
             applied, grad_norm = self.backend.step(loss)
