@@ -27,6 +27,7 @@ from shardrl.stages.context import MetricsSink, StageContext
 from shardrl.stages.engine import PolicyEngine
 from shardrl.stages.rollout import MAX_EMPTY_SHARDS, _fitting
 from shardrl.store import LocalStore, RunKeys, read_shard, shards_by_name, write_shard
+from shardrl.store.records import WorkerState
 from shardrl.store.schemas import READY, ROLLOUT, SCORED
 from shardrl.tasks.builtin import TaskItem
 from shardrl.tasks.datasets import DatasetError
@@ -318,3 +319,45 @@ def test_a_failed_shard_write_stops_the_worker_even_when_a_later_write_succeeds(
     assert len(written) >= 2  # a later shard of the round was written after the failed one
     names = shards_by_name(store, RunKeys(run_id), ("rollouts", "ready"))
     assert "w00-000000.parquet" not in names and len(names) == len(written) - 1
+
+
+def test_a_failed_shard_write_is_not_counted_in_the_saved_worker_state(run, monkeypatch):
+    """The next batch's reservation stores counts that include the previous batch's shards,
+    so it is written only after their writes succeeded: a lost shard never inflates the
+    backlog a restarted worker reads (it would wait for groups that never arrive)."""
+    store, cfg, run_id, _ = run
+    from shardrl.stages.inline import InlinePostprocess
+
+    cfg = replace(cfg, {"learner.batch_prompts": 6, "rollout.max_batch_shards": 1})
+
+    def write(self, key, *args):
+        raise OSError(f"disk full writing {key}")
+
+    monkeypatch.setattr(InlinePostprocess, "write", write)
+    with pytest.raises(OSError, match="disk full writing .*w00-000000"):
+        run_stage(store, cfg, run_id, "rollout")
+    state = WorkerState.read(store, RunKeys(run_id).worker_state(0))
+    assert (state.next_seq, state.groups_written, state.kept_written) == (1, 0, 0)
+
+
+def test_a_failed_shard_write_stops_a_worker_about_to_pause(run, monkeypatch):
+    """A worker whose backlog is full checks its last batch's writes before it waits: a
+    failed write surfaces at once instead of leaving it paused on a backlog that counts the
+    lost shard."""
+    store, cfg, run_id, _ = run
+    from shardrl.stages import rollout
+    from shardrl.stages.inline import InlinePostprocess
+
+    def write(self, key, *args):
+        raise OSError(f"disk full writing {key}")
+
+    pauses = []
+    monkeypatch.setattr(InlinePostprocess, "write", write)
+    monkeypatch.setattr(rollout.Flow, "full", lambda self, progress: self.groups > 0)
+    monkeypatch.setattr(rollout.Flow, "pause", lambda self, timeout: pauses.append(timeout))
+    monkeypatch.setattr(StageContext, "done", lambda self: len(pauses) >= 3)
+    ctx = context(store, cfg, run_id, "rollout")
+    ctx.once = False
+    with pytest.raises(OSError, match="disk full writing .*w00-000000"):
+        rollout.main(ctx)
+    assert pauses == []

@@ -140,3 +140,13 @@ def test_config_hash_is_stable_and_sensitive():
     a, b = load_config("demo"), load_config("demo")
     assert a.config_hash() == b.config_hash()
     assert load_config("demo", ["learner.lr=0.5"]).config_hash() != a.config_hash()
+
+
+@pytest.mark.parametrize("name,value", [("micro_batch", 4), ("micro_batch_tokens", 4096)])
+def test_micro_batches_need_the_torch_backend_and_group_advantages(name, value):
+    (err,) = _errors({"learner": {name: value, "backend": {"kind": "deepspeed"}}})
+    assert f"learner.{name}" in err.message and "kind: torch" in err.message
+    with pytest.raises(ConfigError) as info:  # the PPO-RLHF recipe: GAE with a critic
+        load_config("ppo-rlhf", [f"learner.{name}={value}"])
+    (err,) = info.value.errors
+    assert f"`learner.{name}` does not support GAE" in err.message

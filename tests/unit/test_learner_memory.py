@@ -17,6 +17,7 @@ from shardrl.stages.update import (
     compute_loss,
     micro_losses,
     plan_micro_batches,
+    row_lengths,
     update_loss,
 )
 
@@ -182,22 +183,34 @@ def test_token_budget_plan_sorts_rows_and_bounds_padded_tokens():
     assert plan_micro_batches(np.array([], dtype=np.int64), None, 8)[1] == []
 
 
-def test_a_token_budget_step_equals_the_whole_batch_step(tiny_policy):
-    table = _table(tiny_policy)
-    whole_cfg = load_config("demo", ["algo.aggregation=prompt"])
-    split_cfg = load_config("demo", ["algo.aggregation=prompt", "learner.micro_batch_tokens=8"])
+@pytest.mark.parametrize("mode", ["token", "sample", "prompt"])
+def test_a_token_budget_step_equals_the_whole_batch_step(tiny_policy, mode, monkeypatch):
+    from shardrl.stages import update
+
+    table = _table(tiny_policy)  # rows of 6, 3, 5, 5 and 6 tokens
+    whole_cfg = load_config("demo", [f"algo.aggregation={mode}"])
+    split_cfg = load_config("demo", [f"algo.aggregation={mode}", "learner.micro_batch_tokens=10"])
     loss, metrics = update_loss(whole_cfg, tiny_policy, table, 0, 0.0)
     assert isinstance(loss, torch.Tensor)
     tiny_policy.zero_grad()
     loss.backward()
     expected = _grads(tiny_policy)
+    seen = []  # each micro-batch's row lengths, in the order trained
+    real = update.compute_loss
+
+    def recording(cfg, policy, part, *args, **kwargs):
+        seen.append(row_lengths(part).tolist())
+        return real(cfg, policy, part, *args, **kwargs)
+
+    monkeypatch.setattr(update, "compute_loss", recording)
     losses, got = update_loss(split_cfg, tiny_policy, table, 0, 0.0)
     tiny_policy.zero_grad()
-    parts = 0
     for part in losses:
         part.backward()
-        parts += 1
-    assert parts > 1  # the budget did split the batch
+    # shortest rows first, each micro-batch at most 10 padded tokens: 3 5 | 5 | 6 | 6 (in
+    # table order the first two rows alone, 6 and 3, would pad to 12)
+    assert seen == [[3, 5], [5], [6], [6]]
+    monkeypatch.setattr(update, "compute_loss", real)
     for a, b in zip(_grads(tiny_policy), expected, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
     for key in ("policy_loss", "entropy", "logprob_mismatch_abs"):

@@ -73,11 +73,12 @@ class RunConfig(Section):
                 f"({learn_gpus}): one rank per GPU, so set `pipeline.resources.learn.gpus: "
                 f"{backend.ranks}` or fewer ranks"
             )
-        if backend.kind == "deepspeed" and self.learner.micro_batch is not None:
-            errors.append(
-                "`learner.micro_batch` accumulates gradients with the torch backend only: "
-                "remove it or set `learner.backend: {kind: torch}`"
-            )
+        for name in ("micro_batch", "micro_batch_tokens"):
+            if backend.kind == "deepspeed" and getattr(self.learner, name) is not None:
+                errors.append(
+                    f"`learner.{name}` accumulates gradients with the torch backend only: "
+                    "remove it or set `learner.backend: {kind: torch}`"
+                )
         if backend.kind == "deepspeed" and self.learner.lora is not None:
             errors.append(
                 "`learner.lora` trains adapters with the torch backend only (DeepSpeed would "
@@ -90,11 +91,13 @@ class RunConfig(Section):
                 "learner takes its adapters from the checkpoint of the committed version, "
                 "which a crash between the next checkpoint and its commit must not remove"
             )
-        if self.learner.micro_batch is not None and self.algo.advantages.estimator == "gae":
-            errors.append(
-                "`learner.micro_batch` does not support GAE advantages yet (their whitening "
-                "spans the whole batch's critic values): remove `learner.micro_batch`"
-            )
+        for name in ("micro_batch", "micro_batch_tokens"):
+            if (getattr(self.learner, name) is not None
+                    and self.algo.advantages.estimator == "gae"):
+                errors.append(
+                    f"`learner.{name}` does not support GAE advantages yet (their whitening "
+                    f"spans the whole batch's critic values): remove `learner.{name}`"
+                )
         if self.algo.critic is not None and self.algo.advantages.estimator != "gae":
             errors.append(
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "

@@ -207,8 +207,8 @@ class LearnerConfig(Section):
     """Padded tokens (rows x the longest row) per forward and backward pass, the rows
     sorted by length first so that each micro-batch pads its rows to nearly their own
     length; with `micro_batch` too, both bounds hold. The step is the whole batch's either
-    way (as with `micro_batch`). Applies with the plain torch backend and group-relative
-    advantages; with DeepSpeed or GAE the batch goes in one pass. None: no token bound.
+    way (as with `micro_batch`). Plain torch backend and group-relative advantages only
+    (validation rejects it with DeepSpeed or GAE). None: no token bound.
     On the demo's model (one thread, rows of 6-16 tokens) a budget of 1536 trained a batch
     of 224 kept rows in about 17% less CPU time than one padded pass, and batches of 128-144
     rows in about the same time, so the demo leaves it off; it pays where row lengths vary

@@ -62,6 +62,9 @@ def main(ctx: StageContext) -> int:
                 break
             progress = Progress.read(store, keys.progress())
             if not ctx.once and flow.full(progress):
+                for write in writes:  # a failed write must not leave the worker waiting on a
+                    write.result()    # backlog that counts its lost shard
+                writes = []
                 if paused is None:
                     ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
                     paused = time.monotonic()
@@ -78,7 +81,9 @@ def main(ctx: StageContext) -> int:
             first, n = state.next_seq, flow.batch(progress)
             # reserve the sequence numbers first: a crash leaves gaps, never two shards with one name
             state = WorkerState(next_seq=first + n, version=engine.version, **flow.state())
-            reserved = writer.submit(state.write, store, state_key)
+            # the state's counts include the previous batch's shards: it is stored only once
+            # they are (the writer runs in order, so they have finished by then)
+            reserved = writer.submit(_reserve, list(writes), state, store, state_key)
             shards = []  # (seq, items) of the batch
             prompt_ids = []  # token ids of the batch's prompts, in order
             for seq in range(first, first + n):
@@ -140,6 +145,14 @@ def main(ctx: StageContext) -> int:
     for write in writes:
         write.result()
     return 0
+
+
+def _reserve(previous: list[Future], state: WorkerState, store: Store, key: str) -> None:
+    """Store the worker's state for the next batch once every shard write it counts has
+    succeeded; a failed one raises instead, so the saved counts never include a lost shard."""
+    for write in previous:
+        write.result()
+    state.write(store, key)
 
 
 def _write_reserved(reserved: Future, store: Store, key: str, table: pa.Table) -> None:
