@@ -74,10 +74,17 @@ class RunConfig(Section):
                 f"{backend.ranks}` or fewer ranks"
             )
         for name in ("micro_batch", "micro_batch_tokens"):
-            if backend.kind == "deepspeed" and getattr(self.learner, name) is not None:
+            if getattr(self.learner, name) is None:
+                continue
+            if backend.kind == "deepspeed":
                 errors.append(
                     f"`learner.{name}` accumulates gradients with the torch backend only: "
                     "remove it or set `learner.backend: {kind: torch}`"
+                )
+            if self.algo.advantages.estimator == "gae":
+                errors.append(
+                    f"`learner.{name}` does not support GAE advantages yet (their whitening "
+                    f"spans the whole batch's critic values): remove `learner.{name}`"
                 )
         if backend.kind == "deepspeed" and self.learner.lora is not None:
             errors.append(
@@ -91,13 +98,6 @@ class RunConfig(Section):
                 "learner takes its adapters from the checkpoint of the committed version, "
                 "which a crash between the next checkpoint and its commit must not remove"
             )
-        for name in ("micro_batch", "micro_batch_tokens"):
-            if (getattr(self.learner, name) is not None
-                    and self.algo.advantages.estimator == "gae"):
-                errors.append(
-                    f"`learner.{name}` does not support GAE advantages yet (their whitening "
-                    f"spans the whole batch's critic values): remove `learner.{name}`"
-                )
         if self.algo.critic is not None and self.algo.advantages.estimator != "gae":
             errors.append(
                 "a critic is configured but advantages are group-relative: remove `algo.critic` "

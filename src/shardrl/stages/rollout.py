@@ -62,9 +62,9 @@ def main(ctx: StageContext) -> int:
                 break
             progress = Progress.read(store, keys.progress())
             if not ctx.once and flow.full(progress):
-                for write in writes:  # a failed write must not leave the worker waiting on a
-                    write.result()    # backlog that counts its lost shard
-                writes = []
+                # a failed write must not leave the worker waiting on a backlog that counts
+                # its lost shard
+                writes = _settled(writes)
                 if paused is None:
                     ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
                     paused = time.monotonic()
@@ -113,9 +113,7 @@ def main(ctx: StageContext) -> int:
                                           prompt_ids, rc.group_size, **sampling)
             seconds = time.monotonic() - started
             flow.sampled(time.thread_time() - cpu_started)
-            for write in writes:  # the previous batch is stored (or its first error surfaces here)
-                write.result()
-            writes = []
+            writes = _settled(writes)  # the previous batch is stored (or its error surfaces)
             at = 0
             latest = ctx.latest_version() or engine.version  # for the shards' version lag
             for seq, items in shards:
@@ -142,16 +140,21 @@ def main(ctx: StageContext) -> int:
         writer.shutdown()  # waits for the writes still queued
         if post is not None:
             post.flush()
+    _settled(writes)
+    return 0
+
+
+def _settled(writes: list[Future]) -> list[Future]:
+    """Wait for `writes`, raising the first one's error; the empty list of writes left."""
     for write in writes:
         write.result()
-    return 0
+    return []
 
 
 def _reserve(previous: list[Future], state: WorkerState, store: Store, key: str) -> None:
     """Store the worker's state for the next batch once every shard write it counts has
     succeeded; a failed one raises instead, so the saved counts never include a lost shard."""
-    for write in previous:
-        write.result()
+    _settled(previous)
     state.write(store, key)
 
 
