@@ -47,6 +47,7 @@ import pyarrow as pa
 from bench.results import RESULTS, merge_results
 from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader, Reducer
+from shardrl.orchestrate.forward import Settled
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import StageContext
 from shardrl.stages.evaluate import Schedule
@@ -260,10 +261,14 @@ def forwarder(store: Store, rk: RunKeys, cfg: RunConfig, versions: int) -> Calla
     marks = window_marks(store, rk)
 
     def tick() -> None:
-        m.tail.marks, m.last_tick = dict(marks), 0.0
+        f = m.forwarder  # as it was before the window: nothing read or held since
+        f.tail.marks, f.read, f.before, f.seen = dict(marks), {}, {}, set()
+        f.open.clear()
+        f.settled = Settled(f.settled.writers)
+        m.last_tick = 0.0
         with contextlib.redirect_stdout(io.StringIO()):
             m.tick()
-        assert m.last_eval[0] == versions and len(m.tail.marks) == len(WRITERS)
+        assert m.last_eval[0] == versions and len(f.tail.marks) == len(WRITERS)
 
     return tick
 

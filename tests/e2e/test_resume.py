@@ -65,9 +65,9 @@ class RecordingClient:
         self.batches.append(metrics)
 
 
-def test_a_resumed_monitor_forwards_only_new_metric_chunks(tmp_path):
-    """A runner's monitor, started again on the same store, sends MLflow only the chunks
-    written after what the previous one had sent."""
+def test_a_resumed_monitor_forwards_each_step_once(tmp_path):
+    """A runner's monitor, started again on the same store, sends MLflow only the steps the
+    previous one had not: the one it held (the newest, still open) and the new ones."""
     cfg = load_config(str(write_config(tmp_path)))
     store = LocalStore(tmp_path / "store")
     lr = LocalRun(cfg, "m", str(tmp_path / "store"), store, tmp_path, tmp_path / "c.yaml")
@@ -89,9 +89,10 @@ def test_a_resumed_monitor_forwards_only_new_metric_chunks(tmp_path):
     sink.flush()
     second._forward()
     second._forward()
-    sent = [[(m.key, m.step) for m in batch] for batch in second.client.batches]
-    assert sent == [[("learn/loss", 3)]]
-    assert [(m.step) for b in first.client.batches for m in b] == [1, 2]
+    second.finish_metrics()
+    sent = [[(m.key, m.step, m.value) for m in batch] for batch in second.client.batches]
+    assert sent == [[("learn/loss", 2, 2.0)], [("learn/loss", 3, 3.0)]]
+    assert [(m.step) for b in first.client.batches for m in b] == [1]
 
 
 @pytest.mark.slow

@@ -131,27 +131,32 @@ class RecordingClient:
 
 
 def monitor(store) -> Monitor:
-    cfg = RunConfig.model_validate({"tracking": {"enabled": False}})
+    cfg = RunConfig.model_validate({"tracking": {"enabled": False}, "rollout": {"workers": 1}})
     lr = SimpleNamespace(cfg=cfg, store=store, keys=KEYS, run_id="r1")
     m = Monitor(lr, progress_bar=False)
     m.client, m.mlflow = RecordingClient(), "mlflow-run"
     return m
 
 
-def test_the_forwarder_sends_each_chunk_once_and_a_restart_resumes_from_its_marks(tmp_path):
+def test_the_forwarder_sends_each_step_once_and_a_restart_resumes_from_its_marks(tmp_path):
     store = CountingStore(tmp_path)
     old = write_history(store, [("learn", 0), ("rollout", 0)], 30)
     first = monitor(store)
     first._forward()
-    assert sum(len(b) for b in first.client.batches) == 60
+    # each writer's newest step (29) waits: a later chunk could still add to it
+    assert sorted(m.step for b in first.client.batches for m in b) == sorted(2 * list(range(29)))
     new = chunk(store, flat("rollout", 0, 30), 30)
     second = monitor(store)  # the runner was restarted: its marks come from the store
     store.listed = []
     second._forward()
     second._forward()
-    assert [[m.step for m in b] for b in second.client.batches] == [[30]]
-    # what the two polls listed: at most a page of each writer's oldest chunks, never all
-    assert new in store.listed and len(set(store.listed) & set(old)) <= 2 * 16
+    # rollout's step 29 is settled by its step 30; learn's 29 still waits
+    assert [[(m.key, m.step) for m in b] for b in second.client.batches] == [[("s/x", 29)]]
+    # what the two polls listed: at most a page of each writer's oldest chunks and its open
+    # one (step 29, read again after the restart), never all
+    assert new in store.listed and len(set(store.listed) & set(old)) <= 2 * (16 + 1)
+    second._forward(final=True)
+    assert [m.step for m in second.client.batches[-1]] == [29, 30]
 
 
 def test_the_tick_reads_the_newest_evaluation_once(tmp_path):

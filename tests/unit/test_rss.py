@@ -134,6 +134,13 @@ def test_record_adds_the_rl_phase_and_its_machine_share(tmp_path: Path):
     assert summary["machine_share"] == round(8.0 / (cores * 10.0), 3)
     assert line.endswith(f"learn 8.0 s: {8.0 / (cores * 10.0):.2f} of {cores} cores x 10.0 s "
                          "(stage start-up included)")
+    # the runner's own CPU while it supervised: shown beside the stages, not in the share
+    rss.runner_cpu_s = 1.234
+    line = record(store, keys, rss)
+    summary = store.get_json(keys.state("runner", "summary.json"))
+    assert summary["cpu_s"] == {"learn": 8.0, "runner": 1.23}
+    assert summary["machine_share"] == round(8.0 / (cores * 10.0), 3)
+    assert line.endswith("(stage start-up included); the runner 1.2 s")
 
 
 def test_without_proc_nothing_is_sampled(tmp_path: Path):

@@ -49,6 +49,12 @@ class Series:
         return Series(self.name, self.steps[ok], self.values[ok])
 
 
+def reduced(name: str, cell: list) -> float:
+    """A step's value from its cell `[count, sum, max, all finite, ...]`: the mean of its
+    points, or the largest for maxima and counters when all of them are finite."""
+    return cell[2] if name.endswith(_MAX_SUFFIXES) and cell[3] else cell[1] / cell[0]
+
+
 class Reducer:
     """Points reduced per (name, step) as they arrive, in memory that grows with the steps,
     not the points: their count, sum and maximum, and whether all were finite."""
@@ -72,11 +78,9 @@ class Reducer:
         """One value per step: mean of that step's points (max for maxima and counters, when
         all of the step's points are finite)."""
         cells = self.cells[name]
-        use_max = name.endswith(_MAX_SUFFIXES)
         ordered = sorted(cells)
-        reduced = [c[2] if use_max and c[3] else c[1] / c[0] for c in map(cells.get, ordered)]
         return Series(name, np.asarray(ordered, dtype=np.int64),
-                      np.asarray(reduced, dtype=np.float64))
+                      np.asarray([reduced(name, cells[s]) for s in ordered], dtype=np.float64))
 
     def metrics(self) -> Metrics:
         return Metrics({name: self.series(name) for name in self.cells})

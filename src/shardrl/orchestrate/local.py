@@ -220,7 +220,9 @@ def run(args) -> int:
                 monitor.say(f"{spec.name}: {spec.description}")
                 if (code := one_shot(lr, spec.name)) != 0:
                     return code
+        cpu_started = time.process_time()
         code = supervise(lr, monitor, lambda: interrupted)
+        lr.rss.runner_cpu_s = time.process_time() - cpu_started
         if code != 0:
             return code
         monitor.finish_metrics()

@@ -2,22 +2,20 @@
 
 A tick costs the same late in a run as early on: it reads the learner's progress, the newest
 evaluation named by `state/evaluate/latest.json`, and the metric chunks after the marks of
-`state/runner/forwarded.json` (a `ChunkTail`), never a whole folder of the run.
+`state/runner/forwarded.json` (a `Forwarder`: one point per metric and step), never a whole
+folder of the run.
 """
 
 from __future__ import annotations
 
-import io
 import sys
 import time
 
-import pyarrow.parquet as pq
-
-from ..doctor.series import ChunkTail
 from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
 from ..tracking.mlflow_run import client, find_or_create_run, log_points, tracking_uri
 from .accounting import account
+from .forward import Forwarder, metric_writers
 
 
 class Monitor:
@@ -32,11 +30,10 @@ class Monitor:
             self.bar = tqdm(total=self.total, desc="learner", unit="step", file=sys.stderr)
         self.last_line = ""
         self.last_tick = 0.0
-        self.forwarded_key = lr.keys.state("runner", "forwarded.json")
-        self.tail = ChunkTail(lr.store, lr.keys, lr.store.get_json(self.forwarded_key)
-                              if lr.store.exists(self.forwarded_key) else {})
-        """Its marks, per metrics writer ("<stage>/wWW"), name the last chunk sent to MLflow:
-        chunk names grow with time, so a resumed run forwards only what its predecessor had not."""
+        self.forwarder = Forwarder(lr.store, lr.keys, metric_writers(lr.cfg),
+                                   lambda points: log_points(self.client, self.mlflow, points))
+        """Sends the metric chunks to MLflow, reduced per step; a resumed run forwards only
+        what its predecessor had not."""
         self.last_eval: tuple[int, dict] | None = None
         """(version, summary) of the newest evaluation seen."""
         self.mlflow = None
@@ -83,27 +80,16 @@ class Monitor:
         """Every evaluation summary by version (lists `eval/`: for the closing summary)."""
         return summaries(self.lr.store, self.lr.keys)
 
-    def _forward(self) -> None:
-        """Copy new metric chunks from the store to MLflow (the only SQLite writer)."""
-        if self.mlflow is None:
-            return
-        store = self.lr.store
-        new = self.tail.poll()
-        points = []
-        for key in new:
-            table = pq.read_table(io.BytesIO(store.get_bytes(key)))
-            points += list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
-                               table.column("value").to_pylist(), table.column("time").to_pylist(),
-                               strict=True))
-        if points:
-            log_points(self.client, self.mlflow, points)
-        if new:
-            self.tail.take(new)
-            store.put_json(self.forwarded_key, self.tail.marks)
+    def _forward(self, final: bool = False) -> None:
+        """Send MLflow the settled steps of new metric chunks (every step when `final`): the
+        runner is the only SQLite writer."""
+        if self.mlflow is not None:
+            self.forwarder.forward(final)
 
     def finish_metrics(self) -> None:
         self.last_tick = 0.0
         self.tick()
+        self._forward(final=True)
         if self.bar:
             self.bar.close()
             self.bar = None
@@ -111,7 +97,7 @@ class Monitor:
     def summary(self) -> int:
         lr = self.lr
         store, keys = lr.store, lr.keys
-        self._forward()
+        self._forward(final=True)
         evals = self._evals()
         acc = account(store, keys)
         done = Done.read(store, keys.done())

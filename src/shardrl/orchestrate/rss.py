@@ -95,6 +95,9 @@ class PeakRss:
         """(stage, worker) -> root pid of an incarnation -> pid in its tree -> peak KiB."""
         self.cpu: dict[str, dict[int, float]] = defaultdict(dict)
         """stage -> pid -> CPU seconds (largest seen, or exact at exit)."""
+        self.runner_cpu_s: float | None = None
+        """The runner's own CPU seconds while it supervised the looping stages (forwarding
+        metrics, polling, sampling these figures): not part of the machine share."""
 
     def sample(self, running: Iterable[tuple[str, int, int]]) -> None:
         """Read the high-water marks of the trees of `running` (stage, worker, root pid)."""
@@ -144,6 +147,8 @@ def record(store: Store, keys: RunKeys, rss: PeakRss) -> str:
     key = keys.state("runner", "summary.json")
     summary = store.get_json(key) if store.exists(key) else {}
     summary |= {SUMMARY_FIELD: peaks, "cpu_s": rss.stage_cpu_s()}
+    if rss.runner_cpu_s is not None:
+        summary["cpu_s"][RUNNER] = round(rss.runner_cpu_s, 2)
     if store.exists(keys.done()) and store.exists(keys.run_json()):
         run = store.get_json(keys.run_json())
         if "snapshot_seconds" in run:  # the RL phase: policy v0 published -> DONE.json
@@ -168,5 +173,6 @@ def cpu_line(cpu_s: dict[str, float], wall_s: float, cores: int) -> str:
     """The closing summary's CPU line: each RL stage's CPU time and the machine share."""
     parts = ", ".join(f"{n} {cpu_s[n]:.1f} s" for n in LOOPING if n in cpu_s)
     share = machine_share(cpu_s, wall_s, cores)
+    runner = f"; the runner {cpu_s[RUNNER]:.1f} s" if RUNNER in cpu_s else ""
     return (f"CPU in RL phase   {parts}: {share:.2f} of {cores} cores x {wall_s:.1f} s "
-            "(stage start-up included)")
+            f"(stage start-up included){runner}")

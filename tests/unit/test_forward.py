@@ -1,0 +1,121 @@
+"""The runner's metric forwarding: one point per metric and step, sent once settled, each
+step once across restarts, and the same series the doctor reads from the store."""
+
+from __future__ import annotations
+
+import itertools
+
+import pyarrow as pa
+
+from shardrl.config import RunConfig
+from shardrl.doctor.series import ChunkReader
+from shardrl.orchestrate.forward import Forwarder, metric_writers
+from shardrl.store import LocalStore, RunKeys, write_shard
+from shardrl.store.schemas import METRICS
+
+KEYS = RunKeys("r1")
+WRITERS = {"rollout": 2, "learn": 1}
+_clock = itertools.count(1_712_000_000_000_000)
+
+
+def log(store, stage: str, worker: int, points: list[tuple[str, int, float]]) -> str:
+    """A metrics chunk of `stage`'s worker holding `points` (name, step, value)."""
+    key = KEYS.metrics_chunk(stage, worker, next(_clock))
+    names, steps, values = zip(*points, strict=True)
+    table = pa.table({"stage": [stage] * len(points), "name": list(names), "step": list(steps),
+                      "value": list(values), "time": [float(s) for s in steps]})
+    write_shard(store, key, table, METRICS)
+    return key
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, int, float]]] = []
+
+    def __call__(self, points) -> None:
+        self.batches.append([(n, s, v) for n, s, v, _ in points])
+
+    def all(self) -> list[tuple[str, int, float]]:
+        return [p for b in self.batches for p in b]
+
+
+def forwarder(store, sent: Sent) -> Forwarder:
+    return Forwarder(store, KEYS, WRITERS, sent)
+
+
+def store_series(store) -> set[tuple[str, int, float]]:
+    """What the doctor reads from the store: one value per (name, step)."""
+    reader = ChunkReader(store, KEYS)
+    reader.poll()
+    return set(reader.metrics().to_points())
+
+
+def test_a_step_is_sent_once_every_writer_of_its_stage_has_moved_past_it(tmp_path):
+    store, sent = LocalStore(tmp_path), Sent()
+    f = forwarder(store, sent)
+    log(store, "rollout", 0, [("rollout/x", 1, 1.0), ("rollout/x", 1, 3.0),
+                              ("rollout/len_max", 1, 4.0), ("rollout/len_max", 1, 7.0),
+                              ("rollout/x", 2, 5.0)])
+    log(store, "rollout", 1, [("rollout/x", 1, 2.0)])
+    assert f.forward() == 0  # worker 1 may still log step 1
+    log(store, "rollout", 1, [("rollout/x", 2, 8.0)])
+    assert f.forward() == 2
+    # step 1: the mean of 1, 3 and 2; the largest of the maxima 4 and 7
+    assert sent.batches == [[("rollout/len_max", 1, 7.0), ("rollout/x", 1, 2.0)]]
+    assert f.forward(final=True) == 1
+    assert sent.batches[-1] == [("rollout/x", 2, 6.5)]  # (5 + 8) / 2
+    assert set(sent.all()) == store_series(store) and len(sent.all()) == 3
+
+
+def test_a_stage_waits_for_all_its_writers_and_a_one_shot_stage_does_not(tmp_path):
+    store, sent = LocalStore(tmp_path), Sent()
+    f = forwarder(store, sent)
+    log(store, "snapshot", 0, [("snapshot/sft_loss", 0, 0.5)])
+    log(store, "rollout", 0, [("rollout/x", 1, 1.0), ("rollout/x", 5, 1.0)])
+    log(store, "learn", 0, [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)])
+    f.forward()
+    # rollout: one of its two workers has logged; learn: step 2 may still get points
+    assert sorted(sent.all()) == [("learn/loss", 1, 0.3), ("snapshot/sft_loss", 0, 0.5)]
+
+
+def test_a_restarted_forwarder_sends_each_step_once_and_loses_none(tmp_path):
+    store, sent = LocalStore(tmp_path), Sent()
+    first = forwarder(store, sent)
+    log(store, "rollout", 0, [("rollout/x", 1, 1.0), ("rollout/x", 2, 2.0)])
+    log(store, "rollout", 1, [("rollout/x", 1, 3.0), ("rollout/x", 2, 4.0),
+                              ("rollout/x", 3, 9.0)])
+    log(store, "learn", 0, [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)])
+    first.forward()
+    assert sorted(sent.all()) == [("learn/loss", 1, 0.3), ("rollout/x", 1, 2.0)]
+    # the runner is killed: steps 2 (rollout, learn) and 3 (rollout) were read, not sent
+    second = forwarder(store, sent)
+    log(store, "rollout", 0, [("rollout/x", 2, 6.0), ("rollout/x", 3, 1.0)])
+    log(store, "learn", 0, [("learn/loss", 3, 0.1)])
+    second.forward()
+    second.forward(final=True)
+    # rollout step 2: (2 + 4 + 6) / 3 with the points read by the first forwarder, step 3:
+    # (9 + 1) / 2; nothing sent twice
+    assert sorted(sent.all()) == [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2),
+                                  ("learn/loss", 3, 0.1), ("rollout/x", 1, 2.0),
+                                  ("rollout/x", 2, 4.0), ("rollout/x", 3, 5.0)]
+    assert set(sent.all()) == store_series(store)
+    third = forwarder(store, sent)  # after the end: nothing left to send
+    assert third.forward(final=True) == 0
+
+
+def test_a_late_point_for_a_sent_step_is_sent_on_its_own(tmp_path):
+    store, sent = LocalStore(tmp_path), Sent()
+    f = forwarder(store, sent)
+    log(store, "learn", 0, [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)])
+    f.forward()
+    log(store, "learn", 0, [("learn/loss", 1, 0.5)])  # a writer whose steps went back
+    f.forward(final=True)
+    assert sent.all() == [("learn/loss", 1, 0.3), ("learn/loss", 1, 0.5), ("learn/loss", 2, 0.2)]
+
+
+def test_the_writers_of_inline_stages_are_the_rollout_workers():
+    inline = RunConfig.model_validate({"rollout": {"workers": 3, "postprocess": "inline"}})
+    assert metric_writers(inline) == {"rollout": 3, "score": 3, "prepare": 3, "learn": 1,
+                                      "evaluate": 1}
+    apart = RunConfig.model_validate({"rollout": {"workers": 3, "postprocess": "stages"}})
+    assert metric_writers(apart)["score"] == 1 and metric_writers(apart)["prepare"] == 1
