@@ -218,7 +218,8 @@ def _trl(r: dict) -> Iterator[Row]:
         if "cpu_per_step_ratio" in vs and "cpu_per_step" in r:
             yield from _cpu_per_step(r["cpu_per_step"], vs)
     if "machine_share" in r:
-        yield ("trl", "ShardRL machine share: stage CPU seconds / (cores x RL wall clock)",
+        yield ("trl", "ShardRL machine share: stage CPU seconds over the RL phase / "
+               "(cores x its wall clock)",
                ">= 0.8", _spread(r["machine_share"], none="not recorded"))
         busy = r["busy_fraction"]
         steady = r.get("steady_busy_fraction", {})

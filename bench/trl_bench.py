@@ -80,7 +80,10 @@ Figures per repeat (each reported as median, min and max over repeats):
   than late in the run; whichever of the learner and the workers is busier there sets
   ShardRL's step rate.
 - `machine_share`: CPU seconds of ShardRL's rollout, score, prepare, learn and evaluate
-  processes (`cpu_s` of `state/runner/summary.json`) over `os.cpu_count() x rl_wall_s`.
+  processes over the RL phase (`rl_cpu_s` of `state/runner/summary.json`: the runner samples
+  them when it starts supervising the looping stages and when it first sees DONE.json) over
+  `os.cpu_count() x rl_window_s`, the time between those samples. Runs recorded before that
+  sampling give their whole lives' CPU (`cpu_s`, start-up included) over `rl_wall_s`.
 - `cpu_per_step` (each side) and `vs_sync.cpu_per_step_ratio`: CPU seconds per optimizer
   step over the whole RL phase, split into the model's work (sampling calls, updates) and the
   rest: for ShardRL those processes' CPU seconds (`cpu_per_step`) with the rollout workers'
@@ -499,8 +502,11 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
         eval_samples = summary["prompts"] * summary["samples_per_prompt"]
     runner = store.get_json(keys.state("runner", "summary.json"))
     cpu_s, rl_wall_s = runner.get("cpu_s"), runner.get("rl_wall_s")
+    window_cpu, window_s = runner.get("rl_cpu_s"), runner.get("rl_window_s")
     share = None
-    if cpu_s and rl_wall_s:
+    if window_cpu and window_s:  # sampled at the RL phase's edges
+        share = machine_share(window_cpu, MACHINE_STAGES, os.cpu_count() or 1, window_s)
+    elif cpu_s and rl_wall_s:
         share = machine_share(cpu_s, MACHINE_STAGES, os.cpu_count() or 1, rl_wall_s)
     snapshot = download_folder(store, keys.policy_prefix(0), WORK / f"{run_id}-snapshot")
     points = metric_points(store, keys)

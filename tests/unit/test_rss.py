@@ -143,6 +143,38 @@ def test_record_adds_the_rl_phase_and_its_machine_share(tmp_path: Path):
     assert line.endswith("(stage start-up included); the runner 1.2 s")
 
 
+def test_the_share_is_measured_between_the_rl_phases_edges(tmp_path: Path):
+    """Start-up before the RL phase and the work after DONE are not part of its share."""
+    proc = fake_proc(tmp_path)
+    fake_process(proc, os.getpid(), 1, 20_480)
+    store, keys = LocalStore(str(tmp_path / "store")), RunKeys("r")
+    store.put_json(keys.run_json(), {"created": 100.0, "snapshot_seconds": 5.0})
+    store.put_json(keys.done(), {"time": 115.0, "steps": 3})
+    now = [105.0]
+    rss = PeakRss(proc, clock=lambda: now[0])
+    fake_process(proc, 200, 1, 1000, ticks=(3 * TICKS, 0))  # start-up: 3 s before the phase
+    rss.sample([("learn", 0, 200)])
+    rss.mark("start")
+    fake_process(proc, 200, 1, 1000, ticks=(12 * TICKS, 0))
+    fake_process(proc, 300, 1, 1000, ticks=(6 * TICKS, 0))  # a worker that started later
+    rss.sample([("learn", 0, 200), ("rollout", 0, 300)])
+    now[0] = 113.0
+    rss.mark("end")
+    rss.mark("end")  # once: a later call changes nothing
+    now[0] = 120.0
+    rss.runner_cpu_s = 0.5
+    line = record(store, keys, rss)
+    summary = store.get_json(keys.state("runner", "summary.json"))
+    cores = len(os.sched_getaffinity(0))
+    # 9 s of learn and 6 s of rollout over the 8 s between the marks
+    assert summary["rl_cpu_s"] == {"learn": 9.0, "rollout": 6.0, "runner": 0.5}
+    assert summary["rl_window_s"] == 8.0
+    assert summary["machine_share"] == round(15.0 / (cores * 8.0), 3)
+    assert summary["cpu_s"]["learn"] == 12.0  # the stages' whole lives stay in cpu_s
+    assert line.endswith(f"rollout 6.0 s, learn 9.0 s: {15.0 / (cores * 8.0):.2f} of {cores} "
+                         "cores x 8.0 s; the runner 0.5 s")
+
+
 def test_without_proc_nothing_is_sampled(tmp_path: Path):
     rss = PeakRss(tmp_path / "no-proc")
     rss.sample([("learn", 0, 1)])

@@ -315,6 +315,9 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 fresh.restarts = p.restarts + 1
                 lr.procs[i] = fresh
         lr.sample_rss(lr.procs)
+        lr.rss.mark("start")  # once: the looping stages' CPU as the RL phase begins
+        if "end" not in lr.rss.window and lr.store.exists(lr.keys.done()):
+            lr.rss.mark("end")
         monitor.tick()
         if running == 0:
             return 0

@@ -19,6 +19,7 @@ them (`exited`).
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -88,13 +89,16 @@ def descendants(root: int, parents: dict[int, int]) -> list[int]:
 class PeakRss:
     """Largest VmHWM seen per process, grouped by stage replica and incarnation."""
 
-    def __init__(self, proc: Path = PROC) -> None:
-        self.proc = proc
+    def __init__(self, proc: Path = PROC, clock=time.time) -> None:
+        self.proc, self.clock = proc, clock
         self.enabled = (proc / "self" / "status").exists()
         self.peaks: dict[tuple[str, int], dict[int, dict[int, int]]] = defaultdict(dict)
         """(stage, worker) -> root pid of an incarnation -> pid in its tree -> peak KiB."""
         self.cpu: dict[str, dict[int, float]] = defaultdict(dict)
         """stage -> pid -> CPU seconds (largest seen, or exact at exit)."""
+        self.window: dict[str, tuple[float, dict[str, float]]] = {}
+        """"start" and "end" of the RL phase as this runner saw it: (epoch seconds, each
+        stage's CPU seconds then), sampled just before (see `mark`)."""
         self.runner_cpu_s: float | None = None
         """The runner's own CPU seconds while it supervised the looping stages (forwarding
         metrics, polling, sampling these figures): not part of the machine share."""
@@ -118,6 +122,22 @@ class PeakRss:
     def exited(self, name: str, pid: int, cpu_s: float) -> None:
         """A stage process was reaped and its exact CPU time (with its own children's) is known."""
         self.cpu[name][pid] = cpu_s
+
+    def mark(self, edge: str) -> None:
+        """Record the stages' CPU seconds now as the RL phase's `edge` ("start": the runner
+        began supervising the looping stages; "end": it first saw DONE.json), once each."""
+        if self.enabled and edge not in self.window:
+            self.window[edge] = (self.clock(), self.stage_cpu_s())
+
+    def window_cpu_s(self) -> tuple[float, dict[str, float]] | None:
+        """(seconds, {stage: CPU seconds}) between the marks: the RL phase's own CPU, without
+        what the stages spent starting up before it or finishing after it. None unmarked."""
+        if "start" not in self.window or "end" not in self.window:
+            return None
+        (t0, before), (t1, after) = self.window["start"], self.window["end"]
+        if t1 - t0 < 1.0:  # resumed after the end: no RL phase to speak of
+            return None
+        return t1 - t0, {n: round(v - before.get(n, 0.0), 2) for n, v in after.items()}
 
     def stage_cpu_s(self) -> dict[str, float]:
         """{stage: CPU seconds over all its processes and incarnations}."""
@@ -155,8 +175,16 @@ def record(store: Store, keys: RunKeys, rss: PeakRss) -> str:
             start = run["created"] + run["snapshot_seconds"]
             summary["rl_wall_s"] = round(store.get_json(keys.done())["time"] - start, 3)
     line = summary_line(peaks)
-    if "rl_wall_s" in summary:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    window = rss.window_cpu_s()
+    if window is not None:  # the share over the RL phase alone, sampled at its edges
+        seconds, cpu = window
+        if rss.runner_cpu_s is not None:
+            cpu[RUNNER] = round(rss.runner_cpu_s, 2)
+        summary |= {"rl_cpu_s": cpu, "rl_window_s": round(seconds, 3),
+                    "machine_share": machine_share(cpu, seconds, cores)}
+        line += "\n" + cpu_line(cpu, seconds, cores, "")
+    elif "rl_wall_s" in summary:
         summary["machine_share"] = machine_share(summary["cpu_s"], summary["rl_wall_s"], cores)
         line += "\n" + cpu_line(summary["cpu_s"], summary["rl_wall_s"], cores)
     store.put_json(key, summary)
@@ -169,10 +197,12 @@ def machine_share(cpu_s: dict[str, float], wall_s: float, cores: int) -> float:
     return round(work / max(cores * wall_s, 1e-9), 3)
 
 
-def cpu_line(cpu_s: dict[str, float], wall_s: float, cores: int) -> str:
-    """The closing summary's CPU line: each RL stage's CPU time and the machine share."""
+def cpu_line(cpu_s: dict[str, float], wall_s: float, cores: int,
+             note: str = " (stage start-up included)") -> str:
+    """The closing summary's CPU line: each RL stage's CPU time, the machine share, and the
+    runner's own CPU time when known."""
     parts = ", ".join(f"{n} {cpu_s[n]:.1f} s" for n in LOOPING if n in cpu_s)
     share = machine_share(cpu_s, wall_s, cores)
     runner = f"; the runner {cpu_s[RUNNER]:.1f} s" if RUNNER in cpu_s else ""
-    return (f"CPU in RL phase   {parts}: {share:.2f} of {cores} cores x {wall_s:.1f} s "
-            f"(stage start-up included){runner}")
+    return (f"CPU in RL phase   {parts}: {share:.2f} of {cores} cores x {wall_s:.1f} s"
+            f"{note}{runner}")
