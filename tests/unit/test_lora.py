@@ -149,8 +149,9 @@ def test_reference_is_the_frozen_base(tokenizer):
     batch = build_batch(rows, tokenizer.pad_token_id)
     args = (batch.input_ids, batch.attention_mask, batch.response_start)
     ref = backend.policy.reference(*args)
-    with torch.no_grad():
-        base_lp = token_logprobs(pristine, *args).logprobs
+    with torch.no_grad():  # the same forward as the learner's (prompts shared or not)
+        base_lp = token_logprobs(pristine, *args,
+                                 share_prompts=backend.policy.share_prompts).logprobs
         adapted = backend.policy(*args).logprobs
     assert torch.equal(ref, base_lp)
     assert not torch.allclose(adapted, base_lp, atol=1e-3)  # the adapters do change it
@@ -159,7 +160,9 @@ def test_reference_is_the_frozen_base(tokenizer):
     with torch.no_grad():
         assert torch.equal(backend.policy(*args).logprobs, adapted)
     with adapters_off(model), torch.no_grad():
-        assert torch.equal(token_logprobs(model, *args).logprobs, base_lp)
+        assert torch.equal(token_logprobs(model, *args,
+                                          share_prompts=backend.policy.share_prompts).logprobs,
+                           base_lp)
 
     # the KL term of the loss uses it when the shards carry no reference logprobs
     cfg = cfg_with()

@@ -224,6 +224,11 @@ class LearnerConfig(Section):
     """Largest float32 logits tensor (MiB) the learner materializes: longer or wider batches
     compute the output head, softmax and logprobs over chunks of response positions,
     recomputed in the backward pass (large vocabularies). None: never chunk."""
+    share_prompts: bool = True
+    """Compute each distinct prompt of a batch once in the learner's forward, its keys and
+    values shared by the prompt's samples (`models/prefix.py`; the same logprobs and
+    gradients up to float rounding, about half the update's time on the demo). Llama-family
+    models on the torch backend; other models, and DeepSpeed, take every row whole."""
 
 
 class EvalConfig(Section):

@@ -26,4 +26,4 @@ def build_backend(learner: LearnerConfig, lm: nn.Module, *, critic: Critic | Non
         return DeepSpeedLearnerBackend(lm, settings, cfg, critic=critic)
     from .torch_backend import TorchLearnerBackend
 
-    return TorchLearnerBackend(lm, settings, critic=critic)
+    return TorchLearnerBackend(lm, settings, critic=critic, share_prompts=learner.share_prompts)

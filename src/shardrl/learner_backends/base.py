@@ -62,9 +62,11 @@ class PolicyModule(nn.Module):
     the batch lives.
     """
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, share_prompts: bool = False) -> None:
         super().__init__()
         self.lm = lm
+        self.share_prompts = share_prompts
+        """Compute each distinct prompt once per forward (`token_logprobs`)."""
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,
                 temperature: float = 1.0, fp32_lm_head: bool = True,
@@ -77,7 +79,8 @@ class PolicyModule(nn.Module):
         chunk = logits_chunk(input_ids.shape[0], self.lm.config.vocab_size, logits_mb)
         out = token_logprobs(self.lm, input_ids.to(device), attention_mask.to(device),
                              response_start.to(device), temperature=temperature,
-                             fp32_lm_head=fp32_lm_head, chunk=chunk)
+                             fp32_lm_head=fp32_lm_head, chunk=chunk,
+                             share_prompts=self.share_prompts)
         return TokenLogprobs(out.logprobs.to(home), out.entropy.to(home), None)
 
     def reference(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor, *,

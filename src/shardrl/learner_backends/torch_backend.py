@@ -39,8 +39,9 @@ class TorchLearnerBackend:
     world_size = 1
     lends_state = True
 
-    def __init__(self, lm: nn.Module, settings: OptimSettings, critic: Critic | None = None):
-        self.policy = PolicyModule(lm)
+    def __init__(self, lm: nn.Module, settings: OptimSettings, critic: Critic | None = None,
+                 share_prompts: bool = False):
+        self.policy = PolicyModule(lm, share_prompts)
         self.critic = CriticModule(critic) if critic is not None else None
         self.parts = trainable_parts(self.policy.lm, critic)
         self.grad_clip = settings.grad_clip

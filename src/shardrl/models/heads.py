@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
+from shardrl.models import prefix
 from shardrl.models.io import check_safe_weights_dir, directory_manifest
 
 CRITIC_WEIGHTS = "critic.safetensors"
@@ -80,6 +81,7 @@ def token_logprobs(
     fp32_lm_head: bool = True,
     return_logits: bool = False,
     chunk: int | None = None,
+    share_prompts: bool = False,
 ) -> TokenLogprobs:
     """Logprobs and entropies of the response tokens under `model` at `temperature`.
 
@@ -95,11 +97,21 @@ def token_logprobs(
     on, each chunk is recomputed in the backward pass instead of being kept (activation
     checkpointing), so the head's activations take (B, chunk, V). The results equal the
     unchunked ones up to float error; `return_logits` needs the whole tensor (no chunking).
+
+    `share_prompts` computes each distinct prompt once for all the rows that start with it
+    (`models.prefix`), with the same results up to float error; other models than the Llama
+    family's, and left-padded rows, take the whole rows.
     """
     batch, seq_len = input_ids.shape
     index, valid = response_index(response_start, batch, seq_len, input_ids.device)
-    hidden = _final_hidden(model.base_model, input_ids, attention_mask)  # (B, L, H)
-    pred = hidden.gather(1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+    starts = torch.as_tensor(response_start, device=input_ids.device).expand(batch)
+    if (share_prompts and prefix.supports(model)
+            and prefix.right_padded(attention_mask, starts)):
+        pred = prefix.shared_prompt_hidden(model, input_ids, attention_mask, starts, index,
+                                           valid)
+    else:
+        hidden = _final_hidden(model.base_model, input_ids, attention_mask)  # (B, L, H)
+        pred = hidden.gather(1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     head = model.get_output_embeddings()
     targets = input_ids.gather(1, index)  # (B, T)
     width = pred.shape[1]
