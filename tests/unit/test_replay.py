@@ -55,3 +55,13 @@ def test_ledger_delta_keeps_what_replay_needs_and_reads_older_deltas(tmp_path):
 def test_spans():
     assert spans([1, 2, 3, 5, 7, 8]) == "v1-v3, v5, v7-v8"
     assert spans([]) == ""
+
+
+def test_a_run_recorded_before_prompt_sharing_replays_on_whole_rows():
+    from shardrl.commands.replay_cmd import as_recorded
+
+    old = {"seed": 3, "learner": {"lr": 0.001}}
+    assert as_recorded(old) == {"seed": 3, "learner": {"lr": 0.001, "share_prompts": False}}
+    assert old == {"seed": 3, "learner": {"lr": 0.001}}  # the recorded dict is left as it is
+    new = {"learner": {"lr": 0.001, "share_prompts": True}}
+    assert as_recorded(new) == new

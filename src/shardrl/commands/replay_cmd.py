@@ -49,7 +49,7 @@ def run(args) -> int:
               f"on the run's shards from its v0), not {', '.join(outside)}", file=sys.stderr)
         return 2
     run_json = store.get_json(source.run_json())
-    data = run_json["config"]
+    data = as_recorded(run_json["config"])
     try:
         for item in args.overrides:
             data = apply_override(data, item)
@@ -88,3 +88,12 @@ def run(args) -> int:
     if check.ok:
         print(f"verify: bit-for-bit equal ({len(check.checked)} versions)")
     return 0 if check.ok else EXIT_DIFFERENT
+
+
+def as_recorded(config: dict) -> dict:
+    """A recorded run config with the settings its run trained with where it predates them:
+    a run recorded before `learner.share_prompts` existed computed every row whole."""
+    learner = config.get("learner")
+    if isinstance(learner, dict) and "share_prompts" not in learner:
+        config = {**config, "learner": {**learner, "share_prompts": False}}
+    return config
