@@ -212,7 +212,7 @@ def learn_bare(cfg, folder: Path, tables: list[pa.Table]) -> dict:
     model = load_causal_lm(folder)
     model.train()
     pad_id = load_tokenizer(folder).pad_token_id
-    policy = PolicyModule(model)
+    policy = PolicyModule(model, share_prompts=lc.share_prompts)  # as the stage computes
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lc.lr, betas=(lc.beta1, lc.beta2),
                             weight_decay=lc.weight_decay)
