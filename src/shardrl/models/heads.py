@@ -104,9 +104,9 @@ def token_logprobs(
     """
     batch, seq_len = input_ids.shape
     index, valid = response_index(response_start, batch, seq_len, input_ids.device)
-    starts = torch.as_tensor(response_start, device=input_ids.device).expand(batch)
-    if (share_prompts and prefix.supports(model)
-            and prefix.right_padded(attention_mask, starts)):
+    starts = (torch.as_tensor(response_start, device=input_ids.device).expand(batch)
+              if share_prompts and prefix.supports(model) else None)
+    if starts is not None and prefix.right_padded(attention_mask, starts):
         pred = prefix.shared_prompt_hidden(model, input_ids, attention_mask, starts, index,
                                            valid)
     else:

@@ -2,8 +2,8 @@
 
 A GRPO batch holds `group_size` samples of every prompt, and a row is its prompt followed by
 its response, so a forward over the rows computes each prompt `group_size` times: on the
-demo (prompts of about 16 tokens, responses of at most 8) that is most of the learner's
-work. Here the distinct prompts go through the model once, keeping every layer's keys and
+demo (8 samples of prompts of about 6 tokens, responses of at most 8) that is about half of
+the positions the learner computes. Here the distinct prompts go through the model once, keeping every layer's keys and
 values, and the responses attend to their prompt's keys and values (gathered per row, so
 their gradients add up over the prompt's samples). The hidden states that predict the
 response tokens, and so the logprobs, entropies and gradients, equal those of the whole rows
@@ -45,19 +45,23 @@ def _checkpointing(model: nn.Module) -> bool:
     return bool(getattr(model, name, False))
 
 
+def _in_prompt(response_start: Tensor) -> Tensor:
+    """(B, P) True on each row's prompt tokens, P the longest prompt."""
+    width = int(response_start.max())
+    return torch.arange(width, device=response_start.device)[None, :] < response_start[:, None]
+
+
 def right_padded(attention_mask: Tensor, response_start: Tensor) -> bool:
     """Whether every row starts with its whole prompt (no padding before the response)."""
-    width = int(response_start.max())
-    inside = torch.arange(width, device=attention_mask.device)[None, :] < response_start[:, None]
-    return bool((attention_mask[:, :width].bool() | ~inside).all())
+    inside = _in_prompt(response_start)
+    return bool((attention_mask[:, : inside.shape[1]].bool() | ~inside).all())
 
 
 def distinct_prompts(input_ids: Tensor, response_start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The distinct prompts of right-padded rows: (prompts (U, P) with 0 past each prompt's
     end, their lengths (U,), and each row's prompt index (B,))."""
-    width = int(response_start.max())
-    inside = torch.arange(width, device=input_ids.device)[None, :] < response_start[:, None]
-    keyed = torch.where(inside, input_ids[:, :width], -1)  # (B, P): -1 past the prompt
+    inside = _in_prompt(response_start)
+    keyed = torch.where(inside, input_ids[:, : inside.shape[1]], -1)  # (B, P): -1 past it
     unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # (U, P), (B,)
     lengths = (unique >= 0).sum(dim=1)  # (U,)
     return unique.clamp(min=0), lengths, inverse

@@ -68,8 +68,8 @@ class Settled:
         self.newest[writer] = max(int(step), self.newest.get(writer, int(step)))
 
     def add(self, writer: str, name: str, step: int, value: float, at: float) -> None:
+        """A point of `writer`'s (which `saw` must be told of its newest step)."""
         step, value = int(step), float(value)
-        self.saw(writer, step)
         cells = self.cells[writer.split("/", 1)[0]]
         cell = cells.get((name, step))
         if cell is None:
