@@ -92,6 +92,17 @@ def test_each_distinct_prompt_goes_through_the_model_once():
     assert seen == [torch.Size([7, 8])]  # every row whole, the longest 8 tokens
 
 
+def test_the_response_pass_computes_real_tokens_only():
+    model = llama(2)
+    shapes = []
+    model.base_model.layers[0].mlp.register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape)))
+    outputs(model, share=True)
+    # the prompt pass: 3 prompts of up to 5 tokens; the response pass: response tokens 0 to
+    # n-2 of each row (token n-1 predicts nothing), 1+3+0+0+2+1+3 = 10, not 7 rows x 3
+    assert shapes == [(3, 5, 32), (10, 32)]
+
+
 def test_left_padded_rows_and_other_models_take_the_whole_rows():
     model = llama(2)
     samples = [([1, 5], [9, 3]), ([1, 6], [4])]

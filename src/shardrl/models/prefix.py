@@ -92,7 +92,9 @@ def shared_prompt_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Te
     parts = [first]
     if needed > 0:
         tokens = index[:, :needed]  # (B, n-1)
-        keep = attention_mask.gather(1, tokens).bool() & valid[:, :needed]
+        # a token counts when the token after it is real: a row's last one predicts padding
+        after = slice(1, needed + 1)
+        keep = attention_mask.gather(1, index[:, after]).bool() & valid[:, after]
         parts.append(response_pass(base, _cache(out), inverse, prompt_mask,
                                    input_ids.gather(1, tokens), keep,
                                    lengths.index_select(0, inverse)))
@@ -111,31 +113,46 @@ def response_pass(base: nn.Module, cache, inverse: Tensor, prompt_mask: Tensor,
                   tokens: Tensor, keep: Tensor, prompt_lengths: Tensor) -> Tensor:
     """Decoder layers over the response tokens (B, R) of each row, attending to its prompt's
     cached keys and values (U rows, gathered by `inverse`) and causally to each other; `keep`
-    (B, R) marks real tokens. Returns the final hidden states (B, R, H), after the norm."""
+    (B, R) marks the tokens to compute (a prefix of each row). Returns the final hidden states
+    (B, R, H), after the norm, and zeros where `keep` is False.
+
+    Only attention needs the rows' (B, R) layout. The position-wise modules (norms,
+    projections, the MLP: most of the work) run on the N real tokens packed together, not
+    on the padding after each row's response, nor on a row's last token (it predicts padding).
+    On the demo's batches (responses of about 5.5 tokens in 7 to 8 positions) an update took
+    15% less CPU on early batches of 224-296 rows and 6-7% less on late ones of 48-136."""
     config = base.config
     batch, width = tokens.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    x = base.embed_tokens(tokens)  # (B, R, H)
+    real = keep.nonzero(as_tuple=True)  # ((N,), (N,)): row and position of each real token
+    x = base.embed_tokens(tokens[real])  # (N, H)
     steps = torch.arange(width, device=tokens.device)
-    cos, sin = base.rotary_emb(x, prompt_lengths[:, None] + steps[None, :])
+    cos, sin = base.rotary_emb(x, prompt_lengths[:, None] + steps[None, :])  # (B, R, D)
     causal = steps[None, :] <= steps[:, None]  # (R, R): query row, key column
     allowed = torch.cat([prompt_mask.bool().index_select(0, inverse)[:, None, :]
                          .expand(-1, width, -1),
                          causal[None] & keep[:, None, :]], dim=-1)  # (B, R, P + R)
     mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(
         ~allowed, torch.finfo(x.dtype).min)[:, None]  # (B, 1, R, P + R), additive
+
+    def rows(packed: Tensor, n: int) -> Tensor:
+        """(N, n * D) packed per token -> (B, n, R, D), zeros at padding."""
+        out = packed.new_zeros((batch, width, packed.shape[-1])).index_put(real, packed)
+        return out.view(batch, width, n, head_dim).transpose(1, 2)
+
     for layer, cached in zip(base.layers, cache.layers, strict=True):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(batch, width, heads, head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, width, kv_heads, head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, width, kv_heads, head_dim).transpose(1, 2)
+        h = layer.input_layernorm(x)  # (N, H)
+        q = rows(attn.q_proj(h), heads)  # (B, heads, R, D)
+        k, v = rows(attn.k_proj(h), kv_heads), rows(attn.v_proj(h), kv_heads)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys = torch.cat([cached.keys.index_select(0, inverse), k], dim=2)  # (B, H_kv, P+R, D)
         values = torch.cat([cached.values.index_select(0, inverse), v], dim=2)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            scale=attn.scaling, enable_gqa=heads != kv_heads)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, width, heads * head_dim))
+        o = o.transpose(1, 2).reshape(batch, width, heads * head_dim)[real]  # (N, heads * D)
+        x = x + attn.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return base.norm(x)
+    x = base.norm(x)  # (N, H)
+    return x.new_zeros((batch, width, x.shape[-1])).index_put(real, x)
