@@ -856,6 +856,14 @@ def pooled(rows: list[dict], reference: str) -> dict:
         for side in ("shardrl", "trl", "sync") if all(side in r for r in rows)}
 
 
+def _version(package: str) -> str | None:
+    """The installed version of `package`, None when it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def fmt(value: float | None, spec: str = ".2f", never: str = "never reached") -> str:
     return never if value is None else format(value, spec)
 
@@ -920,20 +928,24 @@ def main() -> None:
     choice = choose_baseline(rows)
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
                "sync_repeats": args.sync_repeats, "seeds": seeds,
-               "trl_version": importlib.metadata.version("trl"),
+               "trl_version": _version("trl") if args.repeats else None,
                "sync_threads": choice["threads"], "sync_choice": choice["by_threads"],
                "rows": rows} | summarize(rows)
     vs = summary["vs_sync"]
-    print(f"time to 70% of TRL's gain, ShardRL / TRL: "
-          f"{fmt(summary['target_time_ratio']['median'])} (target <= 1.0, aim 0.5) | "
-          f"samples/s ShardRL / TRL: {fmt(summary['samples_per_s_ratio']['median'])} "
-          f"(target >= 1.0, aim 1.5) | time to 70% of sync's gain, sync / ShardRL: "
+    trl = (f"time to 70% of TRL's gain, ShardRL / TRL: "
+           f"{fmt(summary['target_time_ratio']['median'])} (target <= 1.0, aim 0.5) | "
+           f"samples/s ShardRL / TRL: {fmt(summary['samples_per_s_ratio']['median'])} "
+           f"(target >= 1.0, aim 1.5) | ") if args.repeats else ""
+    print(f"{trl}time to 70% of sync's gain, sync / ShardRL: "
           f"{fmt(vs['time_speedup']['median'], never='ShardRL never reached it')} "
-          f"(target >= 1.25) | steady samples/s ShardRL / sync: "
+          f"(target >= 1.25; pooled {fmt(summary['pooled'].get('sync_time_speedup'))}) | "
+          f"steady samples/s ShardRL / sync: "
           f"{fmt(vs['samples_per_s_ratio']['median'], never='not measured')} | "
           f"machine share {fmt(summary['machine_share']['median'], never='not recorded')} "
           f"(target >= 0.8)")
-    merge_results("trl", summary)
+    # without TRL repeats the run is the baseline comparison alone: kept apart from the
+    # figures of a whole run
+    merge_results("trl" if args.repeats else "trl_sync_only", summary)
 
 
 if __name__ == "__main__":

@@ -523,6 +523,19 @@ def test_summarize_takes_the_trl_figures_from_the_repeats_that_ran_it():
     assert set(pooled(rows, "sync")) == {"repeats", "shardrl", "sync"}
 
 
+def test_summarize_without_any_trl_repeat_leaves_the_trl_figures_undefined():
+    rows = []
+    for speedup in (1.0, 2.0):
+        row = _row(0.9, speedup, 0.8)
+        del row["trl"], row["target_time_ratio"], row["time_ratio"]
+        rows.append(row)
+    out = summarize(rows)
+    assert out["repeats_vs_trl"] == 0 and out["repeats_vs_sync"] == 2
+    assert out["target_time_ratio"]["median"] is None
+    assert out["vs_sync"]["time_speedup"]["median"] == pytest.approx(1.5)
+    assert out["pooled"]["vs_trl"]["repeats"] == 0 and out["pooled"]["target_time_ratio"] is None
+
+
 def test_table_names_the_chosen_thread_count_and_the_interval():
     rows = [_sync_runs_row(**{"1": SYNC, "2": FAST_SYNC}) for _ in range(2)]
     choice = choose_baseline(rows)
