@@ -66,6 +66,43 @@ def test_token_logprobs_match_naive_computation():
     torch.testing.assert_close(out.logits[0, 0], full[0, 2] * temperature, rtol=1e-5, atol=1e-5)
 
 
+def test_the_head_runs_on_real_response_tokens_only():
+    # right-padded rows whose responses have 3, 1 and 2 tokens: 6 positions through the head,
+    # not 3 rows x 3; the logprobs, entropies and gradients those of every position's head
+    # (`return_logits` computes the head on all of them), zeros on the padding
+    model = lm().train()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0], [1, 2, 6, 7, 0, 0]])
+    mask = (ids != 0).long()
+    starts = torch.tensor([3, 3, 2])
+    real = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+
+    def run(**kw):
+        model.zero_grad()
+        # the head as a module call (float32 already), so the hook sees its input
+        out = token_logprobs(model, ids, mask, starts, temperature=0.7, fp32_lm_head=False, **kw)
+        ((out.logprobs + 0.3 * out.entropy) * real).sum().backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed, grads = run()
+    assert seen == [torch.Size([1, 6, 16])]
+    whole, whole_grads = run(return_logits=True)
+    assert packed.logprobs.shape == whole.logprobs.shape == (3, 4)
+    torch.testing.assert_close(packed.logprobs[real], whole.logprobs[real], rtol=0, atol=1e-6)
+    torch.testing.assert_close(packed.entropy[real], whole.entropy[real], rtol=0, atol=1e-6)
+    assert packed.logprobs[~real].eq(0).all() and packed.entropy[~real].eq(0).all()
+    for name, g in whole_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    seen.clear()
+    chunked, chunked_grads = run(chunk=1)  # 3 rows x 1: positions 0-2, 3-5
+    # each chunk once forward and once again in the backward pass (checkpointed)
+    assert [s[1] for s in seen] == [3, 3, 3, 3]
+    torch.testing.assert_close(chunked.logprobs, packed.logprobs, rtol=0, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(chunked_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_left_padding_does_not_change_logprobs():
     # Pads are masked out of attention and positions count real tokens only, so the
     # padded row must reproduce the unpadded one.

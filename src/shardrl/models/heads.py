@@ -86,17 +86,20 @@ def token_logprobs(
     """Logprobs and entropies of the response tokens under `model` at `temperature`.
 
     input_ids, attention_mask: (B, L); response_start: int or (B,).
-    Only the T hidden states that predict response tokens go through the LM head. With
+    Only the hidden states that predict real response tokens go through the LM head (the
+    padding after a row's response holds 0; with a vocabulary of tens of thousands the head
+    and its softmax are a large part of an update, and of its memory). With
     `fp32_lm_head` the head runs in float32 (hidden states and weight upcast), which keeps
     logprobs of a bf16 model close to the generator's; otherwise the head runs in the
     model's dtype and only the softmax is float32. Assumes a plain linear head
     (Llama/Qwen/Mistral style, no logit soft-capping).
 
-    `chunk` (response positions) computes the head, softmax, logprobs and entropies `chunk`
-    positions at a time, so the (B, T, V) float32 logits never exist whole: with gradients
-    on, each chunk is recomputed in the backward pass instead of being kept (activation
-    checkpointing), so the head's activations take (B, chunk, V). The results equal the
-    unchunked ones up to float error; `return_logits` needs the whole tensor (no chunking).
+    `chunk` (response positions per row) computes the head, softmax, logprobs and entropies
+    on B x `chunk` positions at a time, so the float32 logits never exist whole: with
+    gradients on, each chunk is recomputed in the backward pass instead of being kept
+    (activation checkpointing), so the head's activations take (B x chunk, V). The results
+    equal the unchunked ones up to float error; `return_logits` needs the whole (B, T, V)
+    tensor (no chunking, every position through the head).
 
     `share_prompts` computes each distinct prompt once for all the rows that start with it
     (`models.prefix`), with the same results up to float error; other models than the Llama
@@ -114,27 +117,33 @@ def token_logprobs(
         pred = hidden.gather(1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     head = model.get_output_embeddings()
     targets = input_ids.gather(1, index)  # (B, T)
-    width = pred.shape[1]
-    if chunk is None or chunk >= width or return_logits:
+    zero = torch.zeros((), dtype=torch.float32, device=pred.device)
+    if return_logits:
         logprobs, entropy, logits = _head_logprobs(head, pred, targets, temperature, fp32_lm_head)
+        return TokenLogprobs(logprobs=torch.where(valid, logprobs, zero),
+                             entropy=torch.where(valid, entropy, zero), logits=logits)
+    # the head only where the target is a real token: not past a row's end nor on padding
+    real = (valid & attention_mask.gather(1, index).bool()).nonzero(as_tuple=True)  # (N,) x 2
+    flat, flat_targets = pred[real][None], targets[real][None]  # (1, N, H), (1, N)
+    positions = flat.shape[1]
+    per_chunk = None if chunk is None else chunk * batch  # as many logits as B rows x chunk
+    if per_chunk is None or per_chunk >= positions:
+        logprobs, entropy, _ = _head_logprobs(head, flat, flat_targets, temperature,
+                                              fp32_lm_head, False)
     else:
         parts = []
-        for first in range(0, width, chunk):
-            args = (head, pred[:, first:first + chunk], targets[:, first:first + chunk],
-                    temperature, fp32_lm_head, False)
+        for first in range(0, positions, per_chunk):
+            args = (head, flat[:, first:first + per_chunk],
+                    flat_targets[:, first:first + per_chunk], temperature, fp32_lm_head, False)
             if torch.is_grad_enabled():
                 parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
             else:
                 parts.append(_head_logprobs(*args))
-        logprobs = torch.cat([p[0] for p in parts], dim=1)  # (B, T)
-        entropy = torch.cat([p[1] for p in parts], dim=1)  # (B, T)
-        logits = None
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    return TokenLogprobs(
-        logprobs=torch.where(valid, logprobs, zero),
-        entropy=torch.where(valid, entropy, zero),
-        logits=logits if return_logits else None,
-    )
+        logprobs = torch.cat([p[0] for p in parts], dim=1)  # (1, N)
+        entropy = torch.cat([p[1] for p in parts], dim=1)  # (1, N)
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=pred.device)  # (B, T)
+    return TokenLogprobs(logprobs=out.index_put(real, logprobs[0]),
+                         entropy=out.index_put(real, entropy[0]), logits=None)
 
 
 def _head_logprobs(head: nn.Module, pred: Tensor, targets: Tensor, temperature: float,
