@@ -117,8 +117,8 @@ def token_logprobs(
         pred = hidden.gather(1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     head = model.get_output_embeddings()
     targets = input_ids.gather(1, index)  # (B, T)
-    zero = torch.zeros((), dtype=torch.float32, device=pred.device)
     if return_logits:
+        zero = torch.zeros((), dtype=torch.float32, device=pred.device)
         logprobs, entropy, logits = _head_logprobs(head, pred, targets, temperature, fp32_lm_head)
         return TokenLogprobs(logprobs=torch.where(valid, logprobs, zero),
                              entropy=torch.where(valid, entropy, zero), logits=logits)

@@ -7,9 +7,8 @@ the positions the learner computes. Here the distinct prompts go through the mod
 values, and the responses attend to their prompt's keys and values (gathered per row, so
 their gradients add up over the prompt's samples). The hidden states that predict the
 response tokens, and so the logprobs, entropies and gradients, equal those of the whole rows
-up to float rounding (tests/unit/test_prefix.py). Positions that predict padding hold no
-meaningful value on either path (past the longest response of the batch they are computed
-from zeros here); every consumer masks them.
+up to float rounding (tests/unit/test_prefix.py). Positions that predict padding hold
+zeros here (`token_logprobs` does not take them through the head on either path).
 
 The response pass runs the decoder layers' modules one by one, as `engines.hf.StaticDecoder`
 does for decoding, so it knows the Llama family's layer structure only (`supports`); any
