@@ -74,7 +74,18 @@ def test_by_default_the_ready_shard_alone_is_written_and_holds_the_earlier_colum
     stored = read_shard(store, keys.ready_for(key), READY)
     assert stored.select(ROLLOUT.names).equals(table)
     assert stored.select(SCORED.names).equals(scored.cast(SCORED))
-    assert post.preparer.recent == ["w00-000007.parquet"]  # its statistics are recorded
+    # the demo's prepare keeps no statistics across shards (no reward normalization, no
+    # pass-rate history): the ready shard is the only write
+    assert not post.preparer.stateful and post.preparer.recent == []
+    assert store.list(keys.root + "state/prepare/") == []
+    # with running reward moments, the shard is recorded in the preparer's saved state
+    moments = InlinePostprocess(context(tmp_path / "norm", "rollout",
+                                        "algo.shaping.normalize=true"))
+    scored, ready = moments.process(table)
+    moments.write(key, table, scored, ready, moments.preparer.record(key, ready))
+    assert moments.preparer.recent == ["w00-000007.parquet"]
+    saved = moments.ctx.store.get_json(keys.state("prepare", "state.json"))
+    assert saved["recent"] == ["w00-000007.parquet"] and saved["moments"]["count"] == 8
     # with `all`, the rollout and scored shards come first, as the stages would write them
     every = InlinePostprocess(context(tmp_path / "all", "rollout", "rollout.inline_shards=all"))
     every.write(key, table, scored, ready, every.preparer.record(key, ready))
@@ -83,7 +94,8 @@ def test_by_default_the_ready_shard_alone_is_written_and_holds_the_earlier_colum
 
 
 def test_a_rollout_shard_left_without_its_ready_shard_is_finished_on_restart(tmp_path):
-    ctx = context(tmp_path, "rollout", "rollout.inline_shards=all")
+    # running reward moments: the preparer's state records the shards it merged
+    ctx = context(tmp_path, "rollout", "rollout.inline_shards=all", "algo.shaping.normalize=true")
     store, keys = ctx.store, RunKeys("r")
     done, orphan = keys.rollout(2, 0, 4), keys.rollout(3, 0, 5)
     other_worker = keys.rollout(3, 1, 0)

@@ -65,8 +65,8 @@ class InlinePostprocess:
               state: dict) -> None:
         """Write the shards in pipeline order (the rollout and scored ones only with
         `inline_shards: all`; `rollout` None: stored already), then the preparer state they
-        advance (the store writer thread runs this; `state` was captured when the shard was
-        prepared)."""
+        advance, if it keeps any (the store writer thread runs this; `state` was captured
+        when the shard was prepared)."""
         store, keys = self.ctx.store, self.ctx.keys
         if self.all_shards:
             if rollout is not None:

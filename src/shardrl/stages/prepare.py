@@ -119,6 +119,10 @@ class Preparer:
         if npr.enabled:
             self.tracker = PassRateTracker(window=npr.window, retire_at=npr.retire_at,
                                            min_samples=npr.min_samples)
+        self.stateful = ctx.cfg.algo.shaping.normalize or self.tracker is not None
+        """Whether it keeps statistics across shards (reward moments, the pass-rate history).
+        Without them a ready shard depends on its scored shard alone: nothing is saved per
+        shard and nothing recovered after a crash (one store write fewer per shard)."""
         self.state_key = ctx.keys.state("prepare", state)
         saved = PrepareState.read(ctx.store, self.state_key)
         if saved.moments:
@@ -145,6 +149,8 @@ class Preparer:
     def recover(self, low: int, newest: int, only: str = "") -> None:
         """Merge statistics of ready shards written just before a crash but not yet saved
         (of those whose name starts with `only`)."""
+        if not self.stateful:
+            return
         known = set(self.recent)
         keys = self.ctx.keys
         for version in range(low, newest + 1):
@@ -204,9 +210,11 @@ class Preparer:
         Changes of the retired set go to numbered files; a snapshot writes the whole set and
         the earlier changes are deleted.
         """
+        writes = StateWrites()
+        if not self.stateful:
+            return writes
         ready_key = self.ctx.keys.ready_for(key)
         self.recent = (self.recent + [shard_name(ready_key)])[-RECENT:]
-        writes = StateWrites()
         if self.tracker is not None:
             added, removed = self.tracker.update(ready.column("prompt_id").to_pylist(),
                                                  ready.column("correct").to_pylist())
@@ -243,6 +251,8 @@ class Preparer:
         if writes.retired is not None:
             n, change = writes.retired
             change.write(store, keys.retired_change(n))
+        if writes.state is None:  # stateless (see `stateful`)
+            return
         writes.state.write(store, self.state_key)
         if writes.retired is not None and writes.retired[1].full:
             newest = keys.retired_change(writes.retired[0])

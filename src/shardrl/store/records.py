@@ -15,7 +15,8 @@ errors both ways, so a misspelt field fails where it is written, not where it is
     state/<stage>/cursor.json        Cursor            score,prepare, downstream scanners
                                                        learn
     state/rollout/w<WW>.json         WorkerState       rollout        rollout, scanners
-    state/prepare/<state>.json       PrepareState      prepare        prepare
+    state/prepare/<state>.json       PrepareState      prepare        prepare (only a preparer
+                                                                      with statistics)
     state/prepare/passrate-<n>.json  PassRateSnapshot  prepare        prepare
     state/prepare/retired/<n>.json   RetiredChange     prepare        rollout (resampling)
     state/evaluate/latest.json       EvalPointer       evaluate       monitor, promote
