@@ -1,4 +1,8 @@
-"""snapshot: build or load the base model, SFT it, publish ref/, policy/v000000/ and run.json."""
+"""snapshot: build or load the base model, SFT it, publish ref/, policy/v000000/ and run.json.
+
+Before publishing v0 (`policy/LATEST.json`, then run.json) it evaluates it as the evaluate
+stage would (`evaluate.evaluate_snapshot`; with the HF engine), so the stages that start on
+run.json have the cores to themselves."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ..store import Store
 from ..tasks.prompts import PromptFormat
 from ..tasks.source import make_task
 from .context import StageContext
+from .evaluate import evaluate_snapshot, evaluates_snapshot
 from .policy import MANIFEST, point_latest
 from .sft import encode_episodes, train_sft
 
@@ -60,6 +65,8 @@ def main(ctx: StageContext) -> int:
         ref_dir = _reference(ctx, policy_dir, tokenizer, work)
         _upload(store, keys.ref_prefix(), ref_dir)
         _upload(store, keys.policy_prefix(0), policy_dir)
+    if evaluates_snapshot(cfg):
+        evaluate_snapshot(ctx, task)
     point_latest(store, keys, 0)
     store.put_json(keys.run_json(), {
         "run_id": ctx.run_id, "version": __version__, "created": started,
