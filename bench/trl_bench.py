@@ -24,8 +24,10 @@ and the host (at the demo's size two threads won on some hosts here and lost on 
 a user would tune it before comparing. Every process waits for OpenMP work passively
 (`OMP_WAIT_POLICY=PASSIVE` unless the environment sets it), as the local runner makes
 ShardRL's stages do: with active waiting, idle threads spin on cores others need.
-ShardRL's clock starts when its snapshot is published and stops at `DONE.json`; a point of
-its curve is the time its policy version was published. Its stages are forked from a runner
+ShardRL's clock starts when its snapshot is published (`run.json`) and stops at `DONE.json`;
+a point of its curve is the time its policy version was published. The snapshot stage
+evaluates version 0 before it publishes it, so that evaluation is off ShardRL's clock as the
+peers' evaluation at t=0 is off theirs; the later ones run concurrently with its training. Its stages are forked from a runner
 that imported their libraries, paid their first-call costs on a throwaway model and built
 the task before the snapshot, and they start while the snapshot runs; loading the policy,
 the first shards and the first step count, importing torch and transformers does not. TRL
