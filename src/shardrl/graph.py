@@ -83,7 +83,8 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("snapshot", "shardrl.stages.snapshot", False, (),
-              "SFT warm start; writes the frozen reference, policy v0 and run.json",
+              "SFT warm start; writes the frozen reference and policy v0, evaluates v0 "
+              "(HF engine), writes run.json",
               cpu="2", memory="8Gi"),
     StageSpec("rollout", "shardrl.stages.rollout", True, ("snapshot",),
               "samples groups from the newest policy into rollout shards", cpu="2", memory="8Gi",
@@ -103,7 +104,8 @@ STAGES: tuple[StageSpec, ...] = (
               ranks_when=("learner.backend.kind", "deepspeed", "learner.backend.ranks"),
               image_when=(("learner.backend.kind", "deepspeed", "deepspeed"),)),
     StageSpec("evaluate", "shardrl.stages.evaluate", True, ("snapshot",),
-              "held-out pass@1 of published versions", threads_from="eval.threads",
+              "held-out pass@1 of published versions (v0 too with vLLM)",
+              threads_from="eval.threads",
               image_when=(("rollout.engine", "vllm", "vllm"),)),
     StageSpec("promote", "shardrl.stages.promote", False, ("learn", "evaluate"),
               "registers the chosen checkpoint in the model registry and moves aliases",
