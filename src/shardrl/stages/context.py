@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -151,6 +151,14 @@ class StageContext:
         """The newest published policy version, or None before the snapshot finished."""
         pointer = PolicyPointer.read(self.store, self.keys.latest_policy(), optional=True)
         return pointer.version if pointer is not None else None
+
+    def as_stage(self, stage: str, worker: int | None = None) -> StageContext:
+        """This context doing another stage's work in this process (inline post-processing,
+        the snapshot's evaluation of v0): its metrics go under that stage's name, as worker
+        `worker` (this one's by default)."""
+        worker = self.worker if worker is None else worker
+        return replace(self, stage=stage,
+                       metrics=MetricsSink(self.store, self.keys, stage, worker))
 
     def cache_dir(self) -> Path:
         """Per-run local cache for downloaded model files."""

@@ -11,7 +11,6 @@ later version is due. A poll costs the same late in a run as at its start:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -148,11 +147,9 @@ def evaluate_snapshot(ctx: StageContext, task) -> dict:
     import torch
 
     from ..graph import stage
-    from .context import MetricsSink
     from .engine import PolicyEngine
 
-    ectx = dataclasses.replace(ctx, stage="evaluate",
-                               metrics=MetricsSink(ctx.store, ctx.keys, "evaluate", 0))
+    ectx = ctx.as_stage("evaluate", worker=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(stage("evaluate").threads(ctx.cfg))
     try:

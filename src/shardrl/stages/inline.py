@@ -19,15 +19,13 @@ worker without post-processing does.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..store.keys import shard_name
 from ..store.schemas import READY, ROLLOUT, SCORED
 from ..store.shards import read_or_quarantine, write_shard
-from .context import MetricsSink, StageContext
+from .context import StageContext
 from .prepare import STATE, Preparer
 from .scan import output_names, read_cursor
 from .score import Scorer
@@ -44,17 +42,11 @@ class InlinePostprocess:
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        self.scorer = Scorer(self._as("score"))
+        self.scorer = Scorer(ctx.as_stage("score"))
         state = STATE if ctx.workers == 1 else f"w{ctx.worker:02d}.json"
-        self.preparer = Preparer(self._as("prepare"), state)
+        self.preparer = Preparer(ctx.as_stage("prepare"), state)
         self.all_shards = ctx.cfg.rollout.inline_shards == "all"
         """Whether the rollout and scored shards are written too (else the ready one alone)."""
-
-    def _as(self, stage: str) -> StageContext:
-        """This worker's context under another stage's name (its metrics keep their names)."""
-        ctx = self.ctx
-        return dataclasses.replace(ctx, stage=stage,
-                                   metrics=MetricsSink(ctx.store, ctx.keys, stage, ctx.worker))
 
     def process(self, rollout: pa.Table) -> tuple[pa.Table, pa.Table]:
         """(scored, ready) tables of a rollout table."""
