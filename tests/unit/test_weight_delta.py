@@ -79,9 +79,11 @@ def test_publish_state_casts_copies_and_stores_tied_weights_once():
     assert not torch.equal(state["emb.weight"], emb.weight.detach().bfloat16())
 
 
-def _publish_run(tmp_path, versions: int, full_every: int, dtype=torch.bfloat16):
+def _publish_run(tmp_path, versions: int, full_every: int, dtype=torch.bfloat16,
+                 sparse: bool = False):
     """A store with v0 as a float32 folder and `versions` published versions; the states the
-    publisher published, by version."""
+    publisher published, by version. Each version moves every element (dense deltas), or with
+    `sparse` only the first of `b`."""
     store, keys = LocalStore(tmp_path / "store"), RunKeys("r")
     torch.manual_seed(1)
     masters = {"w": torch.randn(32, 32), "b": torch.randn(32)}
@@ -91,8 +93,11 @@ def _publish_run(tmp_path, versions: int, full_every: int, dtype=torch.bfloat16)
     upload_folder(store, keys.policy_prefix(0), folder)
     published = {0: {k: t.to(dtype) for k, t in masters.items()}}
     for v in range(1, versions + 1):
-        for t in masters.values():
-            t.add_(3e-3 * torch.randn_like(t))
+        if sparse:
+            masters["b"][0] += 0.25
+        else:
+            for t in masters.values():
+                t.add_(3e-3 * torch.randn_like(t))
         state = {k: t.to(dtype) for k, t in masters.items()}
         publish_weights(store, keys, v, state, published[v - 1], full_every)
         published[v] = state
@@ -114,20 +119,55 @@ def test_every_version_rebuilds_exactly_from_its_full_snapshot_and_deltas(tmp_pa
         assert states_equal(reader.get(store, keys, v), published[v]), v
     deltas = sum(len(store.get_bytes(keys.policy_file(v, DELTA))) for v in range(1, 8))
     assert reader.read_bytes == len(store.get_bytes(keys.policy_file(0, WEIGHTS))) + deltas
-    # a reader 3 versions behind (one full period) still follows by deltas; 4 behind and
-    # outside the chain it reads the full snapshot
+    size = lambda v, name: len(store.get_bytes(keys.policy_file(v, name)))  # noqa: E731
+    assert store.get_json(keys.policy_file(3, MANIFEST))["bytes"] == {
+        DELTA: size(3, DELTA), WEIGHTS: size(3, WEIGHTS)}
+    # these deltas are dense, as large as the weights: one version before the full snapshot
+    # v3 a reader follows by deltas, two before it reads v3's weights instead of two deltas
+    near = PolicyWeights()
+    near.get(store, keys, 2)
+    before = near.read_bytes
+    near.get(store, keys, 4)
+    assert near.read_bytes - before == size(3, DELTA) + size(4, DELTA)
     behind = PolicyWeights()
     behind.get(store, keys, 1)
     before = behind.read_bytes
-    behind.get(store, keys, 4)
-    assert behind.read_bytes - before == sum(
-        len(store.get_bytes(keys.policy_file(v, DELTA))) for v in (2, 3, 4))
+    assert states_equal(behind.get(store, keys, 4), published[4])
+    assert behind.read_bytes - before == size(3, WEIGHTS) + size(4, DELTA)
     far = PolicyWeights()
     far.get(store, keys, 1)
     before = far.read_bytes
     assert states_equal(far.get(store, keys, 7), published[7])
     assert far.read_bytes - before == (len(store.get_bytes(keys.policy_file(6, WEIGHTS)))
                                        + len(store.get_bytes(keys.policy_file(7, DELTA))))
+
+
+def test_a_reader_follows_sparse_deltas_past_full_snapshots_and_old_manifests_by_period(
+        tmp_path):
+    store, keys, published = _publish_run(tmp_path, versions=7, full_every=3, sparse=True)
+    size = lambda v, name: len(store.get_bytes(keys.policy_file(v, name)))  # noqa: E731
+    assert 5 * size(6, DELTA) < size(6, WEIGHTS)  # one element moved per version
+    reader = PolicyWeights()
+    reader.get(store, keys, 1)
+    before = reader.read_bytes
+    assert states_equal(reader.get(store, keys, 7), published[7])  # v2..v7, past v3 and v6
+    assert reader.read_bytes - before == sum(size(v, DELTA) for v in range(2, 8))
+    # a manifest written before file sizes were recorded: followed up to one period ahead
+    for v in (3, 6):
+        key = keys.policy_file(v, MANIFEST)
+        manifest = store.get_json(key)
+        del manifest["bytes"]
+        store.put_json(key, manifest)
+    within = PolicyWeights()
+    within.get(store, keys, 1)
+    before = within.read_bytes
+    within.get(store, keys, 4)  # 3 ahead: one period
+    assert within.read_bytes - before == sum(size(v, DELTA) for v in (2, 3, 4))
+    beyond = PolicyWeights()
+    beyond.get(store, keys, 2)
+    before = beyond.read_bytes
+    assert states_equal(beyond.get(store, keys, 7), published[7])  # 5 ahead: from v6
+    assert beyond.read_bytes - before == size(6, WEIGHTS) + size(7, DELTA)
 
 
 def test_a_late_reader_or_one_whose_base_was_collected_gets_a_consistent_policy(tmp_path):

@@ -10,8 +10,9 @@ version it points to, so a reader never sees a half-published model.
 
 A reader rebuilds version v from the full snapshot `full` and the deltas after it, every file
 checked against its manifest; `PolicyWeights` keeps the state it read last and moves it
-forward by the deltas alone when it can, from the full snapshot when a delta it would need
-is gone. Retention keeps every version a needed version's chain starts from.
+forward by the deltas alone when that reads fewer bytes than the full snapshot (the manifest
+gives each file's size), from the full snapshot otherwise or when a delta it would need is
+gone. Retention keeps every version a needed version's chain starts from.
 """
 
 from __future__ import annotations
@@ -93,22 +94,21 @@ def publish_weights(store: Store, keys: RunKeys, version: int, state: dict[str, 
     bytes written."""
     dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
     start = full_base(version, full_every)
-    digests, written = {}, 0
+    digests, sizes = {}, {}
     if prev is not None:
-        digests[DELTA], written = _put_tensors(store, keys.policy_file(version, DELTA),
-                                               encode_delta(prev, state),
-                                               {"base": str(version - 1)})
+        digests[DELTA], sizes[DELTA] = _put_tensors(store, keys.policy_file(version, DELTA),
+                                                    encode_delta(prev, state),
+                                                    {"base": str(version - 1)})
     elif start != version:
         raise ValueError(f"policy v{version} is a delta: it needs the state of v{version - 1}")
     if start == version:
-        digests[WEIGHTS], size = _put_tensors(store, keys.policy_file(version, WEIGHTS), state,
-                                              {"format": "pt"})
-        written += size
+        digests[WEIGHTS], sizes[WEIGHTS] = _put_tensors(
+            store, keys.policy_file(version, WEIGHTS), state, {"format": "pt"})
     store.put_json(keys.policy_file(version, MANIFEST),
-                   {"files": digests, "base": 0,
+                   {"files": digests, "bytes": sizes, "base": 0,
                     "time": time.time(), "kind": "full" if start == version else "delta",
                     "full": start, "every": full_every, "dtype": ",".join(sorted(dtypes))})
-    return written
+    return sum(sizes.values())
 
 
 def _put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor],
@@ -161,9 +161,12 @@ def _checked(store: Store, keys: RunKeys, version: int, name: str, digest: str) 
 class PolicyWeights:
     """A reader's copy of one published version's weights, moved forward by deltas.
 
-    From version u to v it applies the deltas of u + 1 .. v when they are at most one full
-    snapshot's period or u is inside v's chain; else (or when one of those deltas is gone)
-    it reads v's full snapshot and the deltas after it.
+    From version u to v it applies the deltas of u + 1 .. v when u is inside v's chain (at
+    or past the full snapshot f the chain starts from), is one version before f, or when the
+    deltas of u + 1 .. f read fewer bytes than f's full weights (`follows`); else (or when one of those deltas
+    is gone) it reads f's full snapshot and the deltas after it. A dense delta (float32, or
+    a learning rate that moves every element) is as large as the full weights, so a reader
+    two or more versions behind f reads f; a sparse one is followed further.
     """
 
     def __init__(self) -> None:
@@ -178,19 +181,38 @@ class PolicyWeights:
             return self.state
         manifest = _manifest(store, keys, version)
         start = version if manifest.get("kind", "full") == "full" else int(manifest["full"])
-        forward = start <= (self.version or 0) or version - (self.version or 0) <= manifest.get("every", 1)
-        if self.version is not None and self.version < version and forward:
-            try:
-                self._forward(store, keys, version)
-                return self.state
-            except ChainBroken:  # a delta is gone: rebuild from the full snapshot
-                pass
-        self._full(store, keys, start, manifest.get("dtype"))
+        full = manifest if start == version else None  # the manifest of `start`, once read
+        if self.version is not None and self.version < version:
+            if start > self.version:
+                full = full or _manifest(store, keys, start)
+            if self.follows(start, full, version - self.version, manifest.get("every", 1)):
+                try:
+                    self._forward(store, keys, version)
+                    return self.state
+                except ChainBroken:  # a delta is gone: rebuild from the full snapshot
+                    pass
+        self._full(store, keys, start, manifest.get("dtype"), full)
         self._forward(store, keys, version)
         return self.state
 
-    def _full(self, store: Store, keys: RunKeys, version: int, dtype: str | None) -> None:
-        files = _manifest(store, keys, version)["files"]
+    def follows(self, start: int, full: dict | None, ahead: int, every: int) -> bool:
+        """Whether to reach a version `ahead` of this one through the deltas alone: its
+        chain starts at the full snapshot `start` (manifest `full`, needed when `start` is
+        past this version). Manifests without file sizes (published before they were
+        recorded) are followed for up to one period (`every`) ahead."""
+        if start <= self.version:  # inside the chain: the deltas are all a rebuild reads too
+            return True
+        sizes = full.get("bytes", {})
+        if DELTA not in sizes or WEIGHTS not in sizes:
+            return ahead <= every
+        # the deltas up to `start`, each about the size of start's own, against its weights;
+        # start's delta alone costs about what its weights do (a dense one: a longer header)
+        deltas = start - self.version
+        return deltas == 1 or deltas * sizes[DELTA] <= sizes[WEIGHTS]
+
+    def _full(self, store: Store, keys: RunKeys, version: int, dtype: str | None,
+              manifest: dict | None = None) -> None:
+        files = (manifest or _manifest(store, keys, version))["files"]
         state: dict[str, torch.Tensor] = {}
         for name, digest in sorted(files.items()):
             if name.endswith(".safetensors") and name != DELTA:
