@@ -163,10 +163,11 @@ class PolicyWeights:
 
     From version u to v it applies the deltas of u + 1 .. v when u is inside v's chain (at
     or past the full snapshot f the chain starts from), is one version before f, or when the
-    deltas of u + 1 .. f read fewer bytes than f's full weights (`follows`); else (or when one of those deltas
-    is gone) it reads f's full snapshot and the deltas after it. A dense delta (float32, or
-    a learning rate that moves every element) is as large as the full weights, so a reader
-    two or more versions behind f reads f; a sparse one is followed further.
+    deltas of u + 1 .. f read fewer bytes than f's full weights (`follows`); else (or when
+    one of those deltas is gone) it reads f's full snapshot and the deltas after it. A dense
+    delta (float32, or a learning rate that moves every element) is as large as the full
+    weights, so a reader two or more versions behind f reads f; a sparse one is followed
+    further.
     """
 
     def __init__(self) -> None:
