@@ -202,19 +202,20 @@ def test_between_steps_the_store_is_listed_only_when_a_commit_was_reported(tmp_p
 
 def test_collecting_the_first_read_does_not_wait_for_the_ones_behind_it(tmp_path):
     store, scanner, buffer = make_buffer(tmp_path)
-    held = threading.Event()
+    listed, held = threading.Event(), threading.Event()
     plain_get = store.get_bytes
 
-    def get_bytes(key: str) -> bytes:  # the second shard's read waits for `held`
-        if key.endswith("000001.parquet"):
-            assert held.wait(10)
+    def get_bytes(key: str) -> bytes:  # the first read waits for `listed`, the second for `held`
+        assert (held if key.endswith("000001.parquet") else listed).wait(10)
         return plain_get(key)
 
     store.get_bytes = get_bytes
     a = put(store, scanner, 0, 0, ready([[True, False], [True, False]]))
     b = put(store, scanner, 0, 1, ready([[True, False]]))
     try:
-        buffer.poll(0)
+        buffer.poll(0)  # both reads start; neither can end before poll collects what is done
+        assert not buffer.items and buffer.reading()
+        listed.set()
         assert buffer.collect(block=False, first=True)  # a is in, b still being read
         assert [k for k, _ in buffer.items] == [a] and buffer.reading()
         assert [key for key, _, _ in buffer.next_batch(0, k=8, batch_prompts=2)] == [a]
@@ -222,5 +223,6 @@ def test_collecting_the_first_read_does_not_wait_for_the_ones_behind_it(tmp_path
         assert buffer.collect(block=False, first=True)
         assert [k for k, _ in buffer.items] == [a, b] and not buffer.reading()
     finally:
+        listed.set()
         held.set()
         buffer.close()

@@ -41,6 +41,54 @@ def test_the_runners_warmup_starts_no_thread_and_a_forked_child_can_use_openmp()
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+LOAD_STARTS_NO_THREAD = r"""
+import os, tempfile, threading
+from transformers import AutoModelForCausalLM
+from shardrl.models.io import SYNC_LOAD, load_causal_lm, save_model
+from shardrl.models.tiny import tiny_lm
+
+started = []
+start = threading.Thread.start
+threading.Thread.start = lambda self: (started.append(self.name), start(self))[1]
+with tempfile.TemporaryDirectory() as folder:
+    save_model(tiny_lm(vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16,
+                       max_position_embeddings=16, seed=0), None, folder)
+    AutoModelForCausalLM.from_pretrained(folder)  # transformers' own default: a pool
+    assert started, "from_pretrained no longer starts loading threads: drop SYNC_LOAD"
+    started.clear()
+    load_causal_lm(folder)
+assert started == [], started
+assert SYNC_LOAD not in os.environ  # the caller's environment is left as it was
+"""
+
+
+def test_loading_a_model_starts_no_thread():
+    # transformers loads on a pool it shuts down without waiting for its threads, and the
+    # runner and the learner fork right after loading a model
+    done = subprocess.run([sys.executable, "-c", LOAD_STARTS_NO_THREAD], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_new_threads_waits_for_ending_threads_and_names_lasting_ones():
+    from shardrl.orchestrate.warmup import new_threads, threads
+
+    before = threads()
+    brief = threading.Thread(target=time.sleep, args=(0.1,), name="brief")
+    brief.start()
+    assert new_threads(before, settle_s=2.0) == []  # it ended within the settling time
+    stop = threading.Event()
+    lasting = threading.Thread(target=stop.wait, name="lasting")
+    lasting.start()
+    try:
+        extra = new_threads(before, settle_s=0.05)
+        assert extra == [next(t for t in threads() if t.startswith(f"{lasting.native_id}:"))]
+    finally:
+        stop.set()
+        lasting.join()
+
+
 def test_the_task_is_built_once_per_process_and_task_settings():
     cfg = load_config("demo")
     first = make_task(cfg)

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
 from shardrl.models import prefix
-from shardrl.models.io import check_safe_weights_dir, directory_manifest
+from shardrl.models.io import check_safe_weights_dir, directory_manifest, loading_on_this_thread
 
 CRITIC_WEIGHTS = "critic.safetensors"
 VALUE_HEAD_INIT_STD = 1e-2
@@ -247,9 +247,10 @@ def load_reward_model(
             f"{model_dir}/config.json has no pad_token_id; set it to the tokenizer's pad id "
             "so batched scoring can find each text's last token"
         )
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(model_dir), use_safetensors=True, dtype=dtype, local_files_only=True
-    )
+    with loading_on_this_thread():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(model_dir), use_safetensors=True, dtype=dtype, local_files_only=True
+        )
     return model.eval()
 
 

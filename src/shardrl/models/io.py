@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,12 +124,33 @@ def verify_manifest(model_dir: str | Path, manifest: Mapping[str, str]) -> None:
         raise ManifestMismatch(f"{root} does not match its manifest: " + "; ".join(problems))
 
 
+SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
+"""transformers loads weights on a pool of threads it does not wait for when it shuts it down
+(`wait=False`): they can still be alive when `from_pretrained` returns. The local runner and
+the learner fork after loading a model, and a process that forks should hold no threads, so
+ShardRL loads on the calling thread (unless this variable is set in the environment)."""
+
+
+@contextmanager
+def loading_on_this_thread() -> Iterator[None]:
+    """`from_pretrained` calls inside load their weights on the calling thread."""
+    preset = SYNC_LOAD in os.environ
+    if not preset:
+        os.environ[SYNC_LOAD] = "1"
+    try:
+        yield
+    finally:
+        if not preset:
+            os.environ.pop(SYNC_LOAD, None)
+
+
 def load_causal_lm(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM from a local safetensors-only directory, in eval mode."""
+    """Load a causal LM from a local safetensors-only directory, in eval mode, on this thread."""
     check_safe_weights_dir(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), use_safetensors=True, dtype=dtype, local_files_only=True
-    )
+    with loading_on_this_thread():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), use_safetensors=True, dtype=dtype, local_files_only=True
+        )
     return model.eval()
 
 

@@ -47,12 +47,13 @@ def warm(cfg) -> None:
     from ..stages.context import warm_up
 
     warm_up()  # the libraries' lazy loads too, once for every stage
-    from .warmup import exercise, thread_count
+    from .warmup import exercise, new_threads, threads
 
-    threads = thread_count()
+    before = threads()
     exercise()  # and their first-call costs (loading, sampling, a step), on one thread
-    if thread_count() != threads:
-        raise RuntimeError("warming the libraries up started a thread in the runner, which forks")
+    if extra := new_threads(before):
+        raise RuntimeError("warming the libraries up left threads running in the runner, which "
+                           f"forks: {', '.join(extra)}")
     from ..tasks.source import make_task
 
     make_task(cfg)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 
 import torch
 
@@ -58,9 +59,27 @@ def exercise() -> None:
         torch.set_num_threads(previous)
 
 
-def thread_count() -> int:
-    """Threads of this process (the OS's count where it gives one: native ones too)."""
+def threads() -> set[str]:
+    """This process's threads as `id:name` (the OS's list where it gives one: native ones
+    too; else the Python threads)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        ids = os.listdir("/proc/self/task")
     except OSError:
-        return threading.active_count()
+        return {f"{t.ident}:{t.name}" for t in threading.enumerate()}
+    names = set()
+    for tid in ids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.add(f"{tid}:{f.read().strip()}")
+        except OSError:  # ended meanwhile
+            pass
+    return names
+
+
+def new_threads(before: set[str], settle_s: float = 1.0) -> list[str]:
+    """Threads started since `before` was taken that are still alive after up to `settle_s`
+    seconds (threads a library is winding down may take a moment to exit)."""
+    deadline = time.monotonic() + settle_s
+    while (extra := sorted(threads() - before)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return extra
