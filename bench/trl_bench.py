@@ -29,11 +29,12 @@ a point of its curve is the time its policy version was published. The snapshot 
 evaluates version 0 before it publishes it, so that evaluation is off ShardRL's clock as the
 peers' evaluation at t=0 is off theirs; the later ones run concurrently with its training.
 Its stages are forked from a runner that imported their libraries, paid their first-call
-costs on a throwaway model and built the task before the snapshot, and they start while the snapshot runs; loading the policy,
-the first shards and the first step count, importing torch and transformers does not. TRL
-and the baseline run in fresh processes whose clocks start once those libraries (and TRL)
-are imported and the same warm-up and task building are done (`sync_baseline.before_clock`):
-loading the model and setting up the trainer count, as for ShardRL.
+costs on a throwaway model and built the task before the snapshot, and they start while the
+snapshot runs; loading the policy, the first shards and the first step count, importing torch
+and transformers does not. TRL and the baseline run in fresh processes whose clocks start once
+those libraries (and TRL) are imported and the same warm-up and task building are done
+(`sync_baseline.before_clock`): loading the model and setting up the trainer count, as for
+ShardRL.
 
 Repeat r runs with `seed` = the config's seed + r on all sides (the SFT snapshot, the
 prompt streams, sampling and initialisation), so the repeats are independent samples of each
