@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from shardrl.config import load_config
 from shardrl.orchestrate import local
 from shardrl.store import LocalStore, RunKeys
@@ -150,3 +151,71 @@ def test_the_runner_starts_the_looping_stages_before_the_snapshot(tmp_path, monk
     assert local.run(args) == 1
     assert seen_at_snapshot == [["rollout", "rollout", "learn", "evaluate"]]
     assert stopped  # and they are stopped with the run
+
+
+class RunAwaited(Exception):
+    """Raised in place of waiting for the run: the stage got as far as asking for it."""
+
+
+def test_every_looping_stage_waits_for_the_run_before_it_reads_it(tmp_path, monkeypatch):
+    """A looping stage does what needs no run (the learner forks its commit writer) and then
+    waits for run.json itself, before it reads any of the run's state; here the wait raises
+    instead, and a look at the store before it fails the test."""
+    import importlib
+
+    from shardrl.graph import STAGES
+    from shardrl.stages.context import StageContext
+
+    def awaited(self):
+        raise RunAwaited(self.stage)
+
+    monkeypatch.setattr(StageContext, "wait_for_run", awaited)
+    looping = [s for s in STAGES if s.loops]
+    assert {s.name for s in looping} >= {"rollout", "score", "prepare", "learn", "evaluate"}
+    for spec in looping:
+        ctx = context(tmp_path)
+        ctx.stage = spec.name
+        for name in ("get_bytes", "exists", "list", "watch"):
+
+            def early(key, *args, _stage=spec.name, **kwargs):
+                raise AssertionError(f"{_stage} looked at {key} before waiting for the run")
+
+            monkeypatch.setattr(ctx.store, name, early)
+        with pytest.raises(RunAwaited, match=f"^{spec.name}$"):
+            importlib.import_module(spec.module).main(ctx)
+
+
+def test_the_watches_a_stage_waited_on_at_start_stay_open_until_it_ends(tmp_path):
+    """Closing an inotify watch waits for the kernel: the start-up waits hand theirs to the
+    context, which closes them when the stage ends; a policy already published needs none."""
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    waiter = threading.Thread(target=ctx.wait_for_run, daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    store.put_json(keys.run_json(), {"run_id": "r1"})
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+    kept = list(ctx._idle_watches)
+    assert len(kept) == 1
+
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(ctx.wait_for_policy(0.05)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not got  # nothing published yet
+    store.put_json(keys.latest_policy(), {"version": 0, "time": time.time()})
+    waiter.join(timeout=5)
+    assert got == [0]
+    kept = list(ctx._idle_watches)
+    assert len(kept) == 2
+
+    def no_watch(*args, **kwargs):
+        raise AssertionError("a published policy needs no watch")
+
+    ctx.store.watch = no_watch
+    assert ctx.wait_for_policy(0.05) == 0
+    ctx.close()
+    assert ctx._idle_watches == []
+    assert all(getattr(w, "fd", -1) == -1 for w in kept)  # closed (inotify watches here)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 STAGE_MODULES = ("shardrl.stages", "shardrl.stages.snapshot", "shardrl.stages.rollout",
                  "shardrl.stages.score", "shardrl.stages.prepare", "shardrl.stages.learn",
-                 "shardrl.stages.evaluate", "shardrl.stages.promote")
+                 "shardrl.stages.evaluate", "shardrl.stages.promote",
+                 "shardrl.tasks.rewards")  # the verifiers: a rollout worker's scoring inline
 
 _PR_SET_NAME = 15
 

@@ -36,13 +36,12 @@ def run(args) -> int:
     gc.freeze()
 
     try:
-        if stage(args.name).loops:
-            ctx.wait_for_run()
-        try:
+        try:  # a looping stage waits for the run itself (`StageContext.wait_for_run`)
             return int(module.main(ctx) or 0)
         finally:
             if ctx.metrics is not None:
                 ctx.metrics.flush()
+            ctx.close()
     except StoreUnavailable as exc:
         ctx.log.error("giving up: %s", exc)
         return EXIT_STORE_UNAVAILABLE

@@ -110,6 +110,8 @@ class StageContext:
     """This stage's share of the machine's cores (wrap heavy work in `cores.busy()`)."""
     _abort: Aborted | None = None
     _abort_checked: float = float("-inf")
+    _idle_watches: list = field(default_factory=list)
+    """Watches this stage no longer waits on, closed when it ends (see `retire`)."""
 
     @property
     def keys(self) -> RunKeys:
@@ -135,7 +137,8 @@ class StageContext:
     def wait_for_run(self) -> None:
         """Block until the snapshot has created the run (`run.json`, its last write). A
         looping stage may start before that: the local runner starts them while the
-        snapshot runs, so that their start-up overlaps it."""
+        snapshot runs, so that their start-up overlaps it. Each looping stage calls this
+        itself, once it has done the part of its start-up that needs nothing of the run."""
         key = self.keys.run_json()
         if self.store.exists(key):
             return
@@ -145,12 +148,37 @@ class StageContext:
             while not self.store.exists(key):
                 watch.wait(1.0)
         finally:
-            watch.close()
+            self.retire(watch)
 
     def latest_version(self) -> int | None:
         """The newest published policy version, or None before the snapshot finished."""
         pointer = PolicyPointer.read(self.store, self.keys.latest_policy(), optional=True)
         return pointer.version if pointer is not None else None
+
+    def wait_for_policy(self, poll_interval_s: float) -> int:
+        """The newest published policy version, once there is one (the snapshot publishes
+        version 0 before it writes run.json, so after `wait_for_run` this returns at once)."""
+        if (version := self.latest_version()) is not None:
+            return version
+        watch = self.store.watch(self.keys.root + "policy/", depth=0)
+        try:
+            while (version := self.latest_version()) is None:
+                watch.wait(poll_interval_s)
+        finally:
+            self.retire(watch)
+        return version
+
+    def retire(self, watch) -> None:
+        """Keep a watch this stage no longer waits on open until the stage ends (`close`).
+        Closing an inotify descriptor waits for the kernel's grace period (0.1-14 ms
+        measured here, most often over 10), and the watches a stage is done with at start
+        would put that wait between the snapshot and the run's first shard and step."""
+        self._idle_watches.append(watch)
+
+    def close(self) -> None:
+        """Close what the stage kept open for its life (`retire`)."""
+        while self._idle_watches:
+            self._idle_watches.pop().close()
 
     def as_stage(self, stage: str, worker: int | None = None) -> StageContext:
         """This context doing another stage's work in this process (inline post-processing,

@@ -101,8 +101,8 @@ def main(ctx: StageContext) -> int:
 
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     task = make_task(cfg)
-    while ctx.latest_version() is None:
-        time.sleep(cfg.eval.poll_interval_s)
+    ctx.wait_for_run()
+    ctx.wait_for_policy(cfg.eval.poll_interval_s)
     engine: PolicyEngine | None = None  # built for the first version due
     total = cfg.learner.total_steps
     schedule = Schedule(store, keys, cfg.eval.every, total)

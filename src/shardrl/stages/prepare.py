@@ -33,6 +33,7 @@ SNAPSHOT_MIN, SNAPSHOT_MAX = 8, 256
 
 def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
+    ctx.wait_for_run()
     prep = Preparer(ctx)
     scanner = Scanner(store, keys, cfg, "prepare", output_names(store, keys, "ready"))
     prep.recover(scanner.low, ctx.latest_version() or 0)

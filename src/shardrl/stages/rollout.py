@@ -38,6 +38,7 @@ def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     rc = cfg.rollout
     task = make_task(cfg)
+    ctx.wait_for_run()
     state_key = keys.worker_state(ctx.worker)
     state = WorkerState.read(store, state_key)
     post = None
@@ -48,7 +49,7 @@ def main(ctx: StageContext) -> int:
         post.recover(state.version, ctx.latest_version() or 0)
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
-    engine = PolicyEngine(ctx, _wait_for_policy(ctx))
+    engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s))
     episodes = episode_runner(ctx, engine)  # None: single responses
     flow = Flow(ctx, state, exact=post is not None)  # its clock starts with the first policy
     paused, skipped = None, 0  # paused: monotonic time the current pause began
@@ -342,13 +343,6 @@ def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,
     ctx.log.warning("%d prompt(s) longer than the context skipped: %s", len(too_long), key)
     return ([it for it, ok in zip(items, fits, strict=True) if ok],
             [ids for ids, ok in zip(encoded, fits, strict=True) if ok])
-
-
-def _wait_for_policy(ctx: StageContext) -> int:
-    published = ctx.store.watch(ctx.keys.root + "policy/", depth=0)
-    while (version := ctx.latest_version()) is None:
-        published.wait(ctx.cfg.rollout.poll_interval_s)
-    return version
 
 
 class RetiredPrompts:

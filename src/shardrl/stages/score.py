@@ -18,6 +18,7 @@ from .scan import Scanner, output_names, process_shards
 
 def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
+    ctx.wait_for_run()
     scorer = Scorer(ctx)
     scanner = Scanner(store, keys, cfg, "score", output_names(store, keys, "scored"))
 

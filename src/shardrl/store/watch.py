@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import select
 import struct
@@ -69,7 +70,10 @@ _MASK = _IN_MOVED_TO | _IN_CREATE | _IN_CLOSE_WRITE
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then `len` bytes of name
 
 
+@functools.cache
 def _libc():
+    """The C library with the inotify calls (looked up once: `find_library` runs a
+    subprocess), or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:

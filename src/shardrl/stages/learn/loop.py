@@ -35,7 +35,9 @@ from .profile import Profile
 class Learner:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
-        # forked first, before the model loads or a thread starts (see `offload`); the leader's
+        # forked first, before the model loads or a thread starts (see `offload`), and
+        # before the run exists, so that the fork is not on the way to the first step; the
+        # leader's writes go where `learner.commit_writer` says, the other ranks' to a thread
         where = ctx.cfg.learner.commit_writer if os.environ.get("RANK", "0") == "0" else "thread"
         self.commits: Writes | CommitProcess = commit_writes(ctx.store, ctx.keys, where)
         """What runs the commits' writes."""
@@ -47,10 +49,8 @@ class Learner:
 
     def _start(self) -> None:
         ctx, cfg, store, keys = self.ctx, self.cfg, self.ctx.store, self.ctx.keys
-        published = store.watch(keys.root + "policy/", depth=0)
-        while ctx.latest_version() is None:
-            published.wait(cfg.learner.poll_interval_s)
-        published.close()
+        ctx.wait_for_run()
+        ctx.wait_for_policy(cfg.learner.poll_interval_s)
         self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
         if (lora := cfg.learner.lora) is not None:  # adapters on the frozen v0 weights
             from ...models.lora import add_lora
