@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from shardrl.config import load_config
 from shardrl.orchestrate import local
 from shardrl.store import LocalStore, RunKeys
