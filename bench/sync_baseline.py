@@ -341,14 +341,14 @@ class SyncTrainer:
 
 
 def before_clock(cfg) -> None:
-    """What ShardRL's runner does before its stages' clock starts, done for a peer too: the
-    libraries' first-call costs paid on a throwaway model (`orchestrate.warmup.exercise`)
-    and the run's task built (`make_task`, cached for the process)."""
-    from shardrl.orchestrate.warmup import exercise
-    from shardrl.tasks.source import make_task
+    """What ShardRL's runner does before its stages' clock starts, done for a peer too
+    (`orchestrate.fork.warm`): the stages' modules imported (the baseline uses their
+    helpers), the libraries' lazy loads and first-call costs paid on a throwaway model, the
+    run's task built (`make_task`, cached for the process) and the objects made so far kept
+    out of the collector's full passes."""
+    from shardrl.orchestrate.fork import warm
 
-    exercise()
-    make_task(cfg)
+    warm(cfg)
 
 
 def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
