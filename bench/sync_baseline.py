@@ -358,11 +358,6 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
     `clock_start`, by default once the libraries are imported; evaluations excluded) are
     spent, on `threads` torch threads (None: one per core); its pass@1 curve and sample
     counts."""
-    import transformers  # noqa: F401 - imported before the clock starts, as in ShardRL
-
-    import shardrl.engines.hf  # noqa: F401
-    import shardrl.learner_backends  # noqa: F401
-    import shardrl.stages.update  # noqa: F401
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
 
