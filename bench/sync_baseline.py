@@ -25,8 +25,9 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
   update stage on the kept rows (split into micro-batches as the learner splits them), then the torch learner backend's AdamW (the config's lr,
   betas, weight decay and gradient clip) at `lr x lr_schedule(version)` (warmup and decay).
 
-What it does not cover (it raises): KL terms (a reference model), GAE (a critic) and the vLLM
-engine. The baseline is on-policy (every sample is from the current weights).
+What it does not cover (it raises): KL terms (a reference model), GAE (a critic), LoRA and
+the vLLM engine. The policy trains as the learner's does: with `learner.activation_checkpointing`
+when the config turns it on (which also makes it take whole rows, not shared prompts). The baseline is on-policy (every sample is from the current weights).
 
 Its clock starts once torch, transformers and the library are imported, their first-call
 costs paid and the task built, as ShardRL's runner does before its stages start
@@ -93,6 +94,8 @@ def check_supported(cfg) -> None:
         problems.append("rollout.engine must be 'hf'")
     if cfg.learner.backend.kind != "torch":
         problems.append("learner.backend.kind must be 'torch' (one process)")
+    if cfg.learner.lora is not None:
+        problems.append("learner.lora must be unset (full fine-tuning)")
     if problems:
         raise ValueError("the synchronous baseline does not cover this config: "
                          + "; ".join(problems))
@@ -108,6 +111,7 @@ class SyncTrainer:
         from shardrl.engines.hf import HFEngine
         from shardrl.learner_backends import build_backend
         from shardrl.models.io import load_causal_lm, load_tokenizer
+        from shardrl.stages.update import checkpoint_activations
         from shardrl.tasks.prompts import PromptFormat
         from shardrl.tasks.rewards import build_reward
         from shardrl.tasks.source import make_task
@@ -118,6 +122,7 @@ class SyncTrainer:
         self.cfg = cfg
         self.task = make_task(cfg)
         self.model, self.tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
+        checkpoint_activations(cfg, self.model)  # as the learner trains, if configured
         self.prompt_format = PromptFormat.from_config(cfg)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.engine = HFEngine(self.model, eos_token_id=self.tokenizer.eos_token_id,

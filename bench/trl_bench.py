@@ -947,8 +947,9 @@ def main() -> None:
           f"machine share {fmt(summary['machine_share']['median'], never='not recorded')} "
           f"(target >= 0.8)")
     # without TRL repeats the run is the baseline comparison alone: kept apart from the
-    # figures of a whole run
-    merge_results("trl" if args.repeats else "trl_sync_only", summary)
+    # figures of a whole run, and another config's apart from the demo's
+    key = "trl" if args.repeats else "trl_sync_only"
+    merge_results(key if args.config == "demo" else f"{key}_{Path(args.config).stem}", summary)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from bench.sync_baseline import PausableClock, SyncTrainer, check_supported, cpu
 
 from shardrl.algo import PassRateTracker, RunningMoments
 from shardrl.config import load_config
+from shardrl.models.io import save_model
+from shardrl.models.prefix import _checkpointing
+from shardrl.models.tiny import build_tiny_model, train_tokenizer
 from shardrl.stages.prepare import Preparer
 from shardrl.store import LocalStore, RunKeys
 from shardrl.store.schemas import SCORED
@@ -160,6 +163,25 @@ def test_unsupported_configs_are_refused():
         rollout=cfg.rollout, learner=cfg.learner)
     with pytest.raises(ValueError, match="kl.placement"):
         check_supported(kl)
+
+
+def test_lora_is_refused():
+    with pytest.raises(ValueError, match="learner.lora"):
+        check_supported(load_config("demo", ["learner.lora={r: 4, alpha: 8}"]))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_policy_trains_with_the_learners_activation_checkpointing(tmp_path, checkpointing):
+    # the learner turns it on in `Learner._start`; a baseline that did not would skip the
+    # recomputation (and share prompts, which the learner then cannot): less work per step
+    tokenizer = train_tokenizer(["abcdefghij=+"], tmp_path / "tok")
+    folder = tmp_path / "policy"
+    save_model(build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                                intermediate_size=16, max_position_embeddings=32, seed=0),
+               tokenizer, folder)
+    cfg = load_config("demo", [f"learner.activation_checkpointing={str(checkpointing).lower()}"])
+    trainer = SyncTrainer(cfg, folder, threads=1)
+    assert _checkpointing(trainer.model) is checkpointing
 
 
 def test_clock_pauses_while_evaluating():

@@ -27,6 +27,15 @@ from ..learner_backends.base import PolicyLogprobs
 from .batch import SeqBatch, build_batch, padded_column
 
 
+def checkpoint_activations(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Turn on `learner.activation_checkpointing` for `model` (transformers' activation
+    checkpointing of every decoder layer, non-reentrant) when the config asks for it: what
+    the learner trains with, and anything that claims to train as it does."""
+    if cfg.learner.activation_checkpointing:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def loss_params(cfg: RunConfig) -> dict:
     """The configured surrogate's parameters (everything but its name)."""
     return cfg.algo.loss.model_dump(exclude={"kind"})

@@ -24,7 +24,7 @@ from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
 from ..staleness import effective_k
-from ..update import update_loss
+from ..update import checkpoint_activations, update_loss
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
@@ -57,9 +57,7 @@ class Learner:
 
             self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
                                   lora.target_modules, seed=cfg.seed)
-        if cfg.learner.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(cfg, self.model)
         self.model.train()
         self.pad_id = tok.pad_token_id
         state = Progress.read(store, keys.progress())
