@@ -26,8 +26,9 @@ is using, fewer threads can be faster) and, as the local runner gives every Shar
   betas, weight decay and gradient clip) at `lr x lr_schedule(version)` (warmup and decay).
 
 What it does not cover (it raises): KL terms (a reference model), GAE (a critic), LoRA and
-the vLLM engine. The policy trains as the learner's does: with `learner.activation_checkpointing`
-when the config turns it on (which also makes it take whole rows, not shared prompts). The baseline is on-policy (every sample is from the current weights).
+the vLLM engine. The policy trains as the learner's does, with activation checkpointing when
+`learner.activation_checkpointing` turns it on (whole rows then, no shared prompts). The
+baseline is on-policy (every sample is from the current weights).
 
 Its clock starts once torch, transformers and the library are imported, their first-call
 costs paid and the task built, as ShardRL's runner does before its stages start

@@ -948,8 +948,8 @@ def main() -> None:
           f"(target >= 0.8)")
     # without TRL repeats the run is the baseline comparison alone: kept apart from the
     # figures of a whole run, and another config's apart from the demo's
-    key = "trl" if args.repeats else "trl_sync_only"
-    merge_results(key if args.config == "demo" else f"{key}_{Path(args.config).stem}", summary)
+    key, config = "trl" if args.repeats else "trl_sync_only", Path(args.config).stem
+    merge_results(key if config == "demo" else f"{key}_{config}", summary)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from bench.sync_baseline import PausableClock, SyncTrainer, check_supported, cpu
 from shardrl.algo import PassRateTracker, RunningMoments
 from shardrl.config import load_config
 from shardrl.models.io import save_model
-from shardrl.models.prefix import _checkpointing
 from shardrl.models.tiny import build_tiny_model, train_tokenizer
 from shardrl.stages.prepare import Preparer
 from shardrl.store import LocalStore, RunKeys
@@ -181,7 +180,7 @@ def test_the_policy_trains_with_the_learners_activation_checkpointing(tmp_path, 
                tokenizer, folder)
     cfg = load_config("demo", [f"learner.activation_checkpointing={str(checkpointing).lower()}"])
     trainer = SyncTrainer(cfg, folder, threads=1)
-    assert _checkpointing(trainer.model) is checkpointing
+    assert trainer.model.is_activation_checkpointing is checkpointing
 
 
 def test_clock_pauses_while_evaluating():
