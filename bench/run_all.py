@@ -312,7 +312,8 @@ def _cpu_per_step(cpu: dict, vs: dict) -> Iterator[Row]:
            "updates / drawing prompts and building tables / scoring and prepare", "",
            " / ".join(ms("sync", p) for p in ("total", "generate", "update", "tables",
                                                "score_prepare")))
-    yield ("trl/sync", f"CPU per step ShardRL / sync (samples generated per step: {samples})",
+    yield ("trl/sync", f"CPU per step ShardRL (all but evaluate) / sync (samples generated per "
+           f"step: {samples})",
            "", _spread(vs["cpu_per_step_ratio"], suffix="x"))
 
 

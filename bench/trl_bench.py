@@ -13,9 +13,11 @@ each, the evaluate stage's engine and sampling seed), which gives pass@1 versus 
 for each system, and samples generated per second.
 
 The comparison is the one a user of this machine sees: ShardRL's RL phase is concurrent
-processes (rollout, score, prepare, learn, evaluate; one torch thread each) on all cores, its
-evaluate stage competing with training; TRL and the baseline are one process each, their
-clocks paused while they are evaluated. TRL uses all cores
+processes (rollout, score, prepare, learn; one torch thread each) on all cores; TRL and the
+baseline are one process each. No side's evaluations count against its training: the peers'
+clocks pause while they are evaluated, and ShardRL's evaluate stage waits until its learner
+has finished (`eval.when: after`; `--eval-during` evaluates beside the training instead, as
+`make run` does, which then shares the training's cores). TRL uses all cores
 (`torch.set_num_threads(os.cpu_count())`). The baseline runs every repeat once per thread
 count (`--sync-threads`; by default 1 and one per core, in alternating order), and the count
 that reaches its own 70% target soonest on the mean of the repeats' gain curves is the
@@ -27,7 +29,7 @@ ShardRL's stages do: with active waiting, idle threads spin on cores others need
 ShardRL's clock starts when its snapshot is published (`run.json`) and stops at `DONE.json`;
 a point of its curve is the time its policy version was published. The snapshot stage
 evaluates version 0 before it publishes it, so that evaluation is off ShardRL's clock as the
-peers' evaluation at t=0 is off theirs; the later ones run concurrently with its training.
+peers' evaluation at t=0 is off theirs.
 Its stages are forked from a runner that imported their libraries, paid their first-call
 costs on a throwaway model and built the task before the snapshot, and they start while the
 snapshot runs; loading the policy, the first shards and the first step count, importing torch
@@ -92,7 +94,8 @@ Figures per repeat (each reported as median, min and max over repeats):
   rest: for ShardRL those processes' CPU seconds (`cpu_per_step`) with the rollout workers'
   `sampling_cpu_s`, the learner's `busy_cpu_s` and the evaluate stage apart; for the
   baseline the process CPU of its sampling calls, of drawing prompts and building tables, of
-  scoring and prepare, and of updates (its evaluations are off the clock). What ShardRL
+  scoring and prepare, and of updates (its evaluations are off the clock). The ratio leaves
+  ShardRL's evaluate stage out too (`training_cpu`), so both sides count training. What ShardRL
   spends beyond the baseline per step is what its concurrency has to win back: its steps/s
   over the baseline's is the ratio of the cores each keeps busy divided by this ratio (up to
   start-up, which only ShardRL's figure holds).
@@ -206,8 +209,8 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
     same with each curve's crossing read between its evaluations
     (`curves.time_to_reach_interpolated`). `samples_per_s_ratio`: steady-state
     samples/s, ShardRL's over the baseline's; `samples_per_s_ratio_whole_run`: whole runs.
-    `cpu_per_step_ratio`: CPU seconds per optimizer step, ShardRL's (all its RL processes)
-    over the baseline's; `samples_per_step`: generated samples per step of each.
+    `cpu_per_step_ratio`: CPU seconds per optimizer step, ShardRL's (its RL processes but
+    the evaluate stage) over the baseline's; `samples_per_step`: generated samples per step of each.
 
     The time speedup is, start-up aside, the product of two figures: `early_steps_per_s_ratio`,
     ShardRL's steps/s over the baseline's between `EARLY_VERSIONS` (each side's
@@ -239,7 +242,7 @@ def compare_sync(shardrl: dict, sync: dict) -> dict:
                                          sync.get("steady_samples_per_s")),
             "samples_per_s_ratio_whole_run": ratio(shardrl["samples_per_s"],
                                                    sync["samples_per_s"]),
-            "cpu_per_step_ratio": ratio((shardrl.get("cpu_per_step") or {}).get("total"),
+            "cpu_per_step_ratio": ratio(training_cpu(shardrl.get("cpu_per_step")),
                                         (sync.get("cpu_per_step") or {}).get("total")),
             "samples_per_step": {side: r["samples"] / r["steps"] if r.get("steps") else None
                                  for side, r in (("shardrl", shardrl), ("sync", sync))},
@@ -462,6 +465,14 @@ def cpu_per_step(cpu_s: dict[str, float] | None, points: list[Point],
     return {"total": total / steps, "generate": sampling / steps, "update": update / steps,
             "evaluate": evaluate / steps,
             "rest": (total - sampling - update - evaluate) / steps}
+
+
+def training_cpu(parts: dict[str, float] | None) -> float | None:
+    """ShardRL's CPU per step but its evaluations' (`cpu_per_step`): the work the peers do on
+    their clocks, which pause while they evaluate."""
+    if not parts:
+        return None
+    return parts["total"] - parts.get("evaluate", 0.0)
 
 
 def metric_points(store, keys) -> list[Point]:
@@ -881,6 +892,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10,
                         help="ShardRL evaluates every this many versions; the peers as often "
                              "in time")
+    parser.add_argument("--eval-during", action="store_true",
+                        help="ShardRL evaluates beside its training (`eval.when: during`, as "
+                             "`make run` does) instead of after it; the peers' clocks pause "
+                             "while they evaluate either way")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override for every system")
     parser.add_argument("--sync-threads", type=int, nargs="+",
@@ -912,7 +927,8 @@ def main() -> None:
     from bench.results import merge_results
     from shardrl.config import load_config
 
-    overrides = ["tracking.enabled=false", f"eval.every={args.eval_every}", *args.overrides]
+    overrides = ["tracking.enabled=false", f"eval.every={args.eval_every}",
+                 f"eval.when={'during' if args.eval_during else 'after'}", *args.overrides]
     cfg = load_config(args.config, overrides)
     steps = cfg.learner.total_steps
     eval_points = max(1, steps // args.eval_every)

@@ -47,6 +47,26 @@ def test_async_run_keeps_staleness_bounded_and_accounts_every_sample(tmp_path, t
     assert "generated" in res.stdout and "holds" in res.stdout
 
 
+def test_evaluation_after_training_waits_for_the_learner(tmp_path, tiny_config):
+    """`eval.when: after`: no version is evaluated before DONE.json, every owed one is after
+    it (their weights kept until then), and promotion registers the best of them."""
+    store = tmp_path / "store"
+    res = run_cli(["run", str(tiny_config), "--store", str(store), "--run-id", "ea",
+                   "--no-progress", "--set", "eval.when=after"], tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    s = summary(store, "ea")
+    done = json.loads((store / "runs" / "ea" / "DONE.json").read_text())
+    evals = {int(v): json.loads(p.read_text()) for p in (store / "runs" / "ea" / "eval").glob("*.json")
+             for v in [json.loads(p.read_text())["version"]]}
+    assert sorted(evals) == [0, 3, 6]
+    # version 0 by the snapshot, before the RL phase; the others once the learner had finished
+    assert evals[0]["evaluated"] < done["time"]
+    for v in (3, 6):
+        assert evals[v]["published"] < done["time"] <= evals[v]["evaluated"], v
+    best = max((e["pass_at_1"], v) for v, e in evals.items())
+    assert s["promote"]["champion"] and s["promote"]["version"] == best[1]
+
+
 def test_synchronous_run_with_k0(tmp_path, tiny_config):
     store = tmp_path / "store"
     res = run_cli(["run", str(tiny_config), "--store", str(store), "--run-id", "s0",

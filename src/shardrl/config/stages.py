@@ -247,6 +247,13 @@ class EvalConfig(Section):
     """Torch threads on CPU."""
     poll_interval_s: float = Field(0.5, gt=0.0, le=600.0)
     """Longest wait between checks for new versions (a published version wakes it sooner)."""
+    when: Literal["during", "after"] = "during"
+    """`during`: each due version is evaluated while the learner goes on, beside training (the
+    live curve). `after`: the stage waits until the learner has finished, then evaluates the
+    same versions in order, so that training has the machine to itself; what a benchmark
+    needs when its peers pause their clocks to evaluate. A curve's time axis is each version's
+    publish time either way. The store keeps every version owed an evaluation until it has one
+    (about `total_steps / every` more versions on hand at the end of a run)."""
 
 
 class PromoteConfig(Section):

@@ -1,7 +1,8 @@
 """evaluate: held-out pass@1 of policy versions 0, every `eval.every`-th, and the last.
 
 Versions are evaluated in increasing order, so what is owed is one cursor: the lowest wanted
-version not evaluated yet (`Schedule`). With the HF engine the snapshot stage evaluates
+version not evaluated yet (`Schedule`); as they are published, or with `eval.when: after`
+once the learner has finished. With the HF engine the snapshot stage evaluates
 version 0 itself before it publishes it (`evaluate_snapshot`), so the RL phase starts with
 every core free for the first shards and steps; the stage then loads a policy only when a
 later version is due. A poll costs the same late in a run as at its start:
@@ -107,6 +108,9 @@ def main(ctx: StageContext) -> int:
     total = cfg.learner.total_steps
     schedule = Schedule(store, keys, cfg.eval.every, total)
     ended = False  # DONE.json read: the schedule ends at its version
+    after = cfg.eval.when == "after"
+    if after:
+        ctx.log.info("evaluating once the learner has finished (eval.when: after)")
     while True:
         finished = ctx.done()
         if finished and not ended:  # a converged learner stops before `total`
@@ -115,7 +119,7 @@ def main(ctx: StageContext) -> int:
                 schedule.end_at(done.steps)
                 ended = True
         latest = ctx.latest_version()
-        version = schedule.due(latest)
+        version = schedule.due(latest) if finished or not after else None
         if version is not None:
             if store.exists(keys.policy_file(version, MANIFEST)):
                 engine = engine or PolicyEngine(ctx, version)
@@ -201,11 +205,12 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     published = ctx.store.get_json(ctx.keys.policy_file(version, MANIFEST))["time"]
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
-                   published=published)
+                   published=published, evaluated=time.time())
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
     EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
-                              if isinstance(v, float) and k not in ("seconds", "temperature")})
+                              if isinstance(v, float)
+                              and k not in ("seconds", "temperature", "published", "evaluated")})
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],
                  summary["mean_length"])
     return summary
