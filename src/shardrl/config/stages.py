@@ -253,7 +253,9 @@ class EvalConfig(Section):
     same versions in order, so that training has the machine to itself; what a benchmark
     needs when its peers pause their clocks to evaluate. A curve's time axis is each version's
     publish time either way. The store keeps every version owed an evaluation until it has one
-    (about `total_steps / every` more versions on hand at the end of a run)."""
+    (about `total_steps / every` more versions on hand at the end of a run). An aborted run
+    evaluates nothing more; in the Kubeflow sync pipeline the last round's evaluate task
+    evaluates them all."""
 
 
 class PromoteConfig(Section):

@@ -119,7 +119,8 @@ def main(ctx: StageContext) -> int:
                 schedule.end_at(done.steps)
                 ended = True
         latest = ctx.latest_version()
-        version = schedule.due(latest) if finished or not after else None
+        # after: only once DONE.json is read (an aborted run is finished too, and owes nothing)
+        version = schedule.due(latest) if ended or not after else None
         if version is not None:
             if store.exists(keys.policy_file(version, MANIFEST)):
                 engine = engine or PolicyEngine(ctx, version)
