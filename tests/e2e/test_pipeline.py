@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardrl.store import parse_shard_key
+from shardrl.stages.evaluate import summaries
+from shardrl.store import LocalStore, RunKeys, parse_shard_key
 
 from .conftest import learner_metric, run_cli, stage_pids, summary
 
@@ -56,8 +57,7 @@ def test_evaluation_after_training_waits_for_the_learner(tmp_path, tiny_config):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     s = summary(store, "ea")
     done = json.loads((store / "runs" / "ea" / "DONE.json").read_text())
-    evals = {int(v): json.loads(p.read_text()) for p in (store / "runs" / "ea" / "eval").glob("*.json")
-             for v in [json.loads(p.read_text())["version"]]}
+    evals = summaries(LocalStore(store), RunKeys("ea"))
     assert sorted(evals) == [0, 3, 6]
     # version 0 by the snapshot, before the RL phase; the others once the learner had finished
     assert evals[0]["evaluated"] < done["time"]
