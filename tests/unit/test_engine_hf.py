@@ -148,8 +148,10 @@ def test_static_cache_decoding_samples_what_the_models_forward_samples(tokenizer
     for group_s, group_f in zip(static, forward, strict=True):
         for s, f in zip(group_s, group_f, strict=True):
             assert s.token_ids == f.token_ids and s.finish_reason == f.finish_reason
-            # eager attention written out: the same operations as the model's
-            tol = 0.0 if kind != "grouped-sdpa" else 1e-5
+            # eager attention written out: the same operations as the model's, except that
+            # without grouped heads the weighted sum of values is a multiply-add, which sums
+            # in another order (float32 rounding)
+            tol = {"grouped-eager": 0.0, "grouped-sdpa": 1e-5}.get(kind, 1e-6)
             assert s.logprobs == pytest.approx(f.logprobs, abs=tol)
 
 
