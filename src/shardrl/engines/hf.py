@@ -11,7 +11,8 @@ modules over a key/value cache allocated once for the whole generation (`StaticD
 instead of the model's forward, whose cache grows by concatenation and whose per-call set-up
 (masks, output objects) took most of a small batch's time on a CPU. Its attention is the
 model's eager attention written out, so it samples the same tokens with the same
-log-probabilities; any other architecture decodes through the model's forward.
+log-probabilities (within float32 rounding where it sums the values as a multiply-add, see
+`StaticDecoder`); any other architecture decodes through the model's forward.
 """
 
 from __future__ import annotations
