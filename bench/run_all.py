@@ -20,18 +20,21 @@ BENCHES = [
     ["bench.algo_bench"],
     ["bench.store_bench"],
     ["bench.async_bench", "--repeats", "2"],
-    # 240 steps: ShardRL's RL phase (~30 s) is the budget of TRL and the synchronous baseline,
+    # 240 steps: ShardRL's RL phase (~20 s) is the budget of TRL and the synchronous baseline,
     # long enough for TRL to reach its plateau; the baseline runs on one thread and on all
     # cores, and the faster one is the comparison's (one thread won on some hosts here, two
-    # on others). Evaluations every 10 versions (about 1.3 s of ShardRL's clock; the peers as
-    # often in time): the 70% targets fall within the first 5 s, where coarser points decide
-    # them. Five seeds with TRL and fifteen more without: the time to a target varies a lot
-    # from seed to seed (one policy dips below it for a few versions, another does not), more
-    # than the timings do; with ten seeds the pooled speedup over the baseline read 1.12x in
-    # one run and 1.45x in the next, its interval about 0.6 wide. A repeat without TRL takes
-    # about a third of the time (some 18 minutes for the fifteen)
-    ["bench.trl_bench", "--repeats", "5", "--sync-repeats", "15", "--eval-every", "10",
-     "--set", "learner.total_steps=240"],
+    # on others). ShardRL evaluates every 2 versions (about 0.13 s of its clock) and the
+    # baseline as often in time, both after their training: the baseline's 70% target falls
+    # 0.7-1.5 s in, and with points 10 versions apart (0.6-0.9 s) most seeds crossed it at
+    # the first or second point on both sides, so the time to it was mostly the time to that
+    # point. TRL reaches its target later (about 5 s) and evaluates between its steps: it
+    # keeps points 10 versions' worth apart. Five seeds with TRL and fifteen more without: the
+    # time to a target varies a lot from seed to seed (one policy dips below it for a few
+    # versions, another does not), more than the timings do; with ten seeds the pooled
+    # speedup over the baseline read 1.12x in one run and 1.45x in the next, its interval
+    # about 0.6 wide. A repeat without TRL takes about a third of the time
+    ["bench.trl_bench", "--repeats", "5", "--sync-repeats", "15", "--eval-every", "2",
+     "--trl-eval-every", "10", "--set", "learner.total_steps=240"],
     # five repeats: a large-model repeat is 10 steps, and three of them read 0.85-0.94 of the
     # bare loop on one host where five read 0.95 (0.90-1.10)
     ["bench.overhead_bench", "--repeats", "5"],
@@ -169,9 +172,13 @@ def _trl(r: dict) -> Iterator[Row]:
     if "vs_sync" in r:
         vs = r["vs_sync"]
         n_sync = r.get("repeats_vs_sync", repeats)
+        every = r.get("eval_every")
+        grid = (f"; ShardRL evaluated every {every} versions, the baseline as often in time"
+                if every else "")
         yield ("trl/sync", "time to 70% of the sync baseline's pass@1 gain, sync / ShardRL "
                f"(median (min to max) of {n_sync} repeats"
-               + (f", seeds {seeds[0]}-{seeds[-1]})" if seeds and len(set(seeds)) > 1 else ")"),
+               + (f", seeds {seeds[0]}-{seeds[-1]}" if seeds and len(set(seeds)) > 1 else "")
+               + f"{grid})",
                ">= 1.25x", _spread(vs["time_speedup"], none="ShardRL never reached",
                                    suffix="x"))
         if "time_speedup_interpolated" in vs:

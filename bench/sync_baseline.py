@@ -37,7 +37,13 @@ as ShardRL's stage start-up does)
 and is paused while held-out pass@1 is measured: `bench.demo_control.heldout_pass`, the
 function, engine and sampling seed the TRL side is evaluated with, on all held-out prompts;
 at t=0 (the snapshot), every `budget / eval_points` seconds of clock, and when the budget is
-spent. Its samples are every generated sample, filtered ones included (ShardRL's accounting).
+spent. With `--eval-after` (what `bench.trl_bench` asks for when ShardRL evaluates after its
+training, `eval.when: after`) the loop only copies its weights at those points, its clock
+paused, and evaluates the copies once the budget is spent, as ShardRL's evaluate stage
+evaluates its published versions: dense evaluations then do not run between the loop's steps,
+where each would leave its caches and heap to the next step. Copies that would take more
+than `EVAL_AFTER_MAX_BYTES` are evaluated in place instead (`eval_when` in the result says
+which). Its samples are every generated sample, filtered ones included (ShardRL's accounting).
 
     .venv/bin/python -m bench.sync_baseline --snapshot DIR --budget 90 --out sync.json
 """
@@ -48,10 +54,14 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 from bench.curves import steady_samples_per_s
+
+EVAL_AFTER_MAX_BYTES = 2 << 30
+"""Most memory the weight copies of `--eval-after` may take (all points together)."""
 
 GROUP_ID = "w00-{seq:06d}-{i:03d}"
 """Group ids as the rollout stage names them (worker 0)."""
@@ -357,13 +367,21 @@ def before_clock(cfg) -> None:
     warm(cfg)
 
 
+def weight_copy(model) -> dict:
+    """The model's weights, copied (what `--eval-after` keeps at each evaluation point)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
              eval_points: int, clock_start: float | None = None,
-             threads: int | None = None) -> dict:
+             threads: int | None = None, eval_after: bool = False) -> dict:
     """Synchronous training from `snapshot` until `budget` seconds of clock (from
     `clock_start`, by default once the libraries are imported; evaluations excluded) are
     spent, on `threads` torch threads (None: one per core); its pass@1 curve and sample
-    counts."""
+    counts. `eval_after`: the points' weights are copied and evaluated after the budget
+    (see the module docstring)."""
+    import torch
+
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
 
@@ -377,8 +395,23 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
         trainer.model.eval()
         return value
 
+    weight_bytes = sum(v.numel() * v.element_size() for v in trainer.model.state_dict().values())
+    if eval_after and weight_bytes * (eval_points + 1) > EVAL_AFTER_MAX_BYTES:
+        print(f"sync baseline: {eval_points + 1} copies of {weight_bytes / 2**20:.0f} MiB of "
+              f"weights would pass {EVAL_AFTER_MAX_BYTES / 2**30:.0f} GiB; evaluating in place",
+              file=sys.stderr)
+        eval_after = False
+    copies: list[dict] = []
+    """the weights at each point of `curve`, with `eval_after`"""
+
+    def measure():
+        if not eval_after:
+            return evaluate()
+        copies.append(weight_copy(trainer.model))
+        return None
+
     interval = budget / max(eval_points, 1)
-    curve = [(0.0, clock.paused(evaluate))]
+    curve = [(0.0, clock.paused(measure))]
     curve_versions = [0]
     """the version each point of `curve` measured"""
     started = clock.now()
@@ -393,14 +426,22 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
             step_times.append(clock.now())
         at = clock.now()
         if at >= budget or at >= next_eval:
-            curve.append((at, clock.paused(evaluate)))
+            curve.append((at, clock.paused(measure)))
             curve_versions.append(trainer.version)
             while next_eval <= at:
                 next_eval += interval
         if at >= budget:
             break
     seconds = curve[-1][0]
+    if eval_after:  # the clock has stopped: evaluate each point's weights now
+        final = weight_copy(trainer.model)
+        with torch.no_grad():
+            for i, state in enumerate(copies):
+                trainer.model.load_state_dict(state)
+                curve[i] = (curve[i][0], evaluate())
+            trainer.model.load_state_dict(final)
     return {"curve": curve, "curve_versions": curve_versions, "step_times": step_times,
+            "eval_when": "after" if eval_after else "during",
             "seconds": seconds, "steps": trainer.version,
             "samples": trainer.counts["generated"], **{k: v for k, v in trainer.counts.items()
                                                        if k != "generated"},
@@ -436,10 +477,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON written here")
     parser.add_argument("--threads", type=int,
                         help="torch threads (default: one per core, os.cpu_count())")
+    parser.add_argument("--eval-after", action="store_true",
+                        help="copy the weights at each evaluation point and evaluate the "
+                             "copies after the budget, not between steps")
     args = parser.parse_args()
     passive_openmp()
     result = run_sync(args.config, args.overrides, args.snapshot, args.budget,
-                      args.eval_points, args.clock_start, args.threads)
+                      args.eval_points, args.clock_start, args.threads, args.eval_after)
     args.out.write_text(json.dumps(result))
 
 

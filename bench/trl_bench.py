@@ -17,7 +17,12 @@ processes (rollout, score, prepare, learn; one torch thread each) on all cores; 
 baseline are one process each. No side's evaluations count against its training: the peers'
 clocks pause while they are evaluated, and ShardRL's evaluate stage waits until its learner
 has finished (`eval.when: after`; `--eval-during` evaluates beside the training instead, as
-`make run` does, which then shares the training's cores). TRL uses all cores
+`make run` does, which then shares the training's cores). With `eval.when: after` the
+baseline also evaluates after its training (`sync_baseline --eval-after`: it copies its
+weights at each point, its clock paused), so that evaluations as dense as ShardRL's do not run
+between its steps. ShardRL evaluates every `--eval-every` versions and the baseline as often
+in time; TRL, which evaluates in place at its points (its clock paused), every
+`--trl-eval-every` versions' worth of ShardRL's time. TRL uses all cores
 (`torch.set_num_threads(os.cpu_count())`). The baseline runs every repeat once per thread
 count (`--sync-threads`; by default 1 and one per core, in alternating order), and the count
 that reaches its own 70% target soonest on the mean of the repeats' gain curves is the
@@ -693,13 +698,15 @@ def trl_process(config: str, overrides: list[str], snapshot: Path, budget: float
 # -- driver --------------------------------------------------------------------------------
 def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
                order: tuple[str, ...] = ("trl", "sync"), sync_threads: Sequence[int] = (1,),
-               ) -> dict:
+               trl_eval_points: int | None = None, sync_eval_after: bool = False) -> dict:
     """ShardRL's run, then each peer in `order` from its snapshot for as long (the baseline
     once per count of `sync_threads`, in that order); every side and the figures. Without
     "trl" in `order` the row holds the baseline comparison only.
 
     The baseline's runs go to `sync_runs` (by thread count) and ShardRL's comparison with
-    each to `vs_sync_runs`; `choose_baseline` later makes one of them the row's `sync`."""
+    each to `vs_sync_runs`; `choose_baseline` later makes one of them the row's `sync`.
+    `eval_points` spread over ShardRL's time for the baseline (evaluated after its budget
+    with `sync_eval_after`), `trl_eval_points` (default the same) for TRL."""
     s = run_shardrl(config, overrides, f"trl-bench-{tag}")
     row: dict = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, "sync_runs": {},
                  "order": list(order)}
@@ -708,10 +715,10 @@ def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
             for t in sync_threads:
                 row["sync_runs"][str(t)] = peer_process(
                     "sync", config, overrides, s["snapshot"], s["seconds"], eval_points,
-                    ["--threads", str(t)])
+                    ["--threads", str(t), *(["--eval-after"] if sync_eval_after else [])])
         else:
             row[peer] = peer_process(peer, config, overrides, s["snapshot"], s["seconds"],
-                                     eval_points)
+                                     trl_eval_points or eval_points)
     sides = [row["shardrl"], *row["sync_runs"].values(), *([row["trl"]] if "trl" in row else [])]
     for r in sides:
         r["final_pass"], r["best_pass"] = r["curve"][-1][1], max(p for _, p in r["curve"])
@@ -890,8 +897,11 @@ def main() -> None:
     parser.add_argument("--same-seed", action="store_true",
                         help="every repeat uses the config's seed (timing noise only)")
     parser.add_argument("--eval-every", type=int, default=10,
-                        help="ShardRL evaluates every this many versions; the peers as often "
-                             "in time")
+                        help="ShardRL evaluates every this many versions; the baseline as "
+                             "often in time")
+    parser.add_argument("--trl-eval-every", type=int,
+                        help="TRL evaluates as often in time as ShardRL makes this many "
+                             "versions (default: --eval-every)")
     parser.add_argument("--eval-during", action="store_true",
                         help="ShardRL evaluates beside its training (`eval.when: during`, as "
                              "`make run` does) instead of after it; the peers' clocks pause "
@@ -932,6 +942,7 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     steps = cfg.learner.total_steps
     eval_points = max(1, steps // args.eval_every)
+    trl_eval_points = max(1, steps // (args.trl_eval_every or args.eval_every))
     total = args.repeats + args.sync_repeats
     seeds = [cfg.seed + (0 if args.same_seed else r) for r in range(total)]
     threads = sorted(set(args.sync_threads or (1, os.cpu_count() or 1)))
@@ -942,11 +953,14 @@ def main() -> None:
             order = ("sync",)
         rows.append(one_repeat(args.config, [*overrides, f"seed={seed}"],
                                f"{int(time.time())}-{r}", eval_points, order,
-                               threads if r % 2 == 0 else threads[::-1]) | {"seed": seed})
+                               threads if r % 2 == 0 else threads[::-1], trl_eval_points,
+                               sync_eval_after=not args.eval_during) | {"seed": seed})
         print(json.dumps(rows[-1]), flush=True)
     choice = choose_baseline(rows)
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
                "sync_repeats": args.sync_repeats, "seeds": seeds,
+               "eval_every": args.eval_every,
+               "trl_eval_every": args.trl_eval_every or args.eval_every,
                "trl_version": _version("trl") if args.repeats else None,
                "sync_threads": choice["threads"], "sync_choice": choice["by_threads"],
                "rows": rows} | summarize(rows)

@@ -540,12 +540,13 @@ def test_table_names_the_chosen_thread_count_and_the_interval():
     rows = [_sync_runs_row(**{"1": SYNC, "2": FAST_SYNC}) for _ in range(2)]
     choice = choose_baseline(rows)
     out = summarize(rows) | {"repeats": 2, "seeds": [0, 1], "sync_threads": choice["threads"],
-                             "sync_choice": choice["by_threads"]}
+                             "sync_choice": choice["by_threads"], "eval_every": 2}
     table = {name: cell for _, name, _, cell in _trl(out)}
     chosen = next(name for name in table if name.startswith("the baseline's torch threads"))
     assert table[chosen] == "1 thread: 23.25 s / 2.27x; 2 threads: 7.75 s / 0.76x (chosen)"
     first = next(name for name in table if name.startswith("time to 70% of the sync"))
-    assert "of 2 repeats, seeds 0-1" in first
+    assert "of 2 repeats, seeds 0-1; ShardRL evaluated every 2 versions, the baseline as " \
+        "often in time)" in first
     pooled_row = next(name for name in table if "repeats' gain curves (each repeat's share of "
                       "its sync" in name)
     assert "90% bootstrap interval" in pooled_row

@@ -4,12 +4,20 @@ batches as the learner does, and it refuses configs it does not reproduce."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from bench.sync_baseline import PausableClock, SyncTrainer, check_supported, cpu_per_step
+import torch
+from bench.sync_baseline import (
+    PausableClock,
+    SyncTrainer,
+    check_supported,
+    cpu_per_step,
+    run_sync,
+)
 
 from shardrl.algo import PassRateTracker, RunningMoments
 from shardrl.config import load_config
@@ -188,3 +196,66 @@ def test_clock_pauses_while_evaluating():
     assert clock.paused(lambda: time.sleep(0.05) or 0.5) == 0.5
     assert clock.paused_s >= 0.05
     assert clock.now() == pytest.approx(10.0, abs=0.05)
+
+
+class FakeTrainer:
+    """What `run_sync` uses of a `SyncTrainer`: a one-weight model whose weight is the
+    version, each batch a few milliseconds of clock."""
+
+    def __init__(self, cfg, snapshot, threads) -> None:
+        self.model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(self.model.weight)
+        self.tokenizer = self.task = None
+        self.version, self.threads = 0, 1
+        self.counts = {"generated": 0}
+        self.seconds, self.cpu_seconds = {"update": 0.0}, {"update": 0.0}
+        self.step_update_cpu_s, self.step_rows = [], []
+
+    def batch(self, clock, events):
+        time.sleep(0.004)
+        self.counts["generated"] += 8
+        events.append((clock.now(), 8))
+        return None
+
+    def update(self, table) -> bool:
+        self.version += 1
+        with torch.no_grad():
+            self.model.weight.fill_(float(self.version))
+        return True
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_evaluating_after_the_budget_measures_each_points_weights(monkeypatch, after):
+    calls = []  # (the weight evaluated, the versions trained so far) at each evaluation
+
+    def heldout_pass(model, tokenizer, cfg, task):
+        calls.append((model.weight.item(), trainers[0].version))
+        return model.weight.item() / 1000.0
+
+    trainers = []
+    monkeypatch.setattr("bench.sync_baseline.SyncTrainer",
+                        lambda *a: trainers.append(FakeTrainer(*a)) or trainers[-1])
+    monkeypatch.setattr("bench.sync_baseline.before_clock", lambda cfg: None)
+    monkeypatch.setattr("bench.demo_control.heldout_pass", heldout_pass)
+    result = run_sync("demo", [], Path("unused"), budget=0.12, eval_points=6, eval_after=after)
+    trainer = trainers[0]
+    assert result["eval_when"] == ("after" if after else "during")
+    assert len(result["curve"]) >= 5 and result["curve_versions"][0] == 0
+    # every point's pass@1 is that of the weights it was taken at
+    for (_, value), version in zip(result["curve"], result["curve_versions"], strict=True):
+        assert value == version / 1000.0
+    trained = [done for _, done in calls]
+    if after:  # evaluated once training was over, not between its steps
+        assert trained == [trainer.version] * len(calls)
+        assert trainer.model.weight.item() == trainer.version  # the final weights restored
+    else:
+        assert trained == result["curve_versions"]
+
+
+def test_evaluating_after_falls_back_to_in_place_past_the_memory_cap(monkeypatch):
+    monkeypatch.setattr("bench.sync_baseline.SyncTrainer", FakeTrainer)
+    monkeypatch.setattr("bench.sync_baseline.before_clock", lambda cfg: None)
+    monkeypatch.setattr("bench.demo_control.heldout_pass", lambda *a: 0.5)
+    monkeypatch.setattr("bench.sync_baseline.EVAL_AFTER_MAX_BYTES", 4 * 3)  # 3 copies of 4 B
+    result = run_sync("demo", [], Path("unused"), budget=0.03, eval_points=6, eval_after=True)
+    assert result["eval_when"] == "during"
