@@ -380,8 +380,6 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
     spent, on `threads` torch threads (None: one per core); its pass@1 curve and sample
     counts. `eval_after`: the points' weights are copied and evaluated after the budget
     (see the module docstring)."""
-    import torch
-
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
 
@@ -435,11 +433,10 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
     seconds = curve[-1][0]
     if eval_after:  # the clock has stopped: evaluate each point's weights now
         final = weight_copy(trainer.model)
-        with torch.no_grad():
-            for i, state in enumerate(copies):
-                trainer.model.load_state_dict(state)
-                curve[i] = (curve[i][0], evaluate())
-            trainer.model.load_state_dict(final)
+        for i, state in enumerate(copies):
+            trainer.model.load_state_dict(state)
+            curve[i] = (curve[i][0], evaluate())
+        trainer.model.load_state_dict(final)
     return {"curve": curve, "curve_versions": curve_versions, "step_times": step_times,
             "eval_when": "after" if eval_after else "during",
             "seconds": seconds, "steps": trainer.version,

@@ -942,7 +942,8 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     steps = cfg.learner.total_steps
     eval_points = max(1, steps // args.eval_every)
-    trl_eval_points = max(1, steps // (args.trl_eval_every or args.eval_every))
+    trl_every = args.trl_eval_every or args.eval_every
+    trl_eval_points = max(1, steps // trl_every)
     total = args.repeats + args.sync_repeats
     seeds = [cfg.seed + (0 if args.same_seed else r) for r in range(total)]
     threads = sorted(set(args.sync_threads or (1, os.cpu_count() or 1)))
@@ -960,7 +961,7 @@ def main() -> None:
     summary = {"config": args.config, "overrides": overrides, "repeats": args.repeats,
                "sync_repeats": args.sync_repeats, "seeds": seeds,
                "eval_every": args.eval_every,
-               "trl_eval_every": args.trl_eval_every or args.eval_every,
+               "trl_eval_every": trl_every,
                "trl_version": _version("trl") if args.repeats else None,
                "sync_threads": choice["threads"], "sync_choice": choice["by_threads"],
                "rows": rows} | summarize(rows)
