@@ -80,27 +80,56 @@ def test_the_shared_forward_gives_the_whole_rows_logprobs_and_gradients(kv_heads
         torch.testing.assert_close(g_shared[name], g, atol=2e-5, rtol=1e-4, msg=name)
 
 
-def test_each_distinct_prompt_goes_through_the_model_once():
-    model = llama(2)
-    seen = []
-    model.base_model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True)
-    outputs(model, share=True)
-    assert seen == [torch.Size([3, 5])]  # 3 prompts, the longest 5 tokens; responses apart
-    seen.clear()
-    outputs(model, share=False)
-    assert seen == [torch.Size([7, 8])]  # every row whole, the longest 8 tokens
-
-
-def test_the_response_pass_computes_real_tokens_only():
-    model = llama(2)
+def mlp_inputs(model) -> list[tuple[int, ...]]:
+    """The shapes the first decoder layer's MLP is called on (filled as the model runs)."""
     shapes = []
     model.base_model.layers[0].mlp.register_forward_pre_hook(
         lambda module, args: shapes.append(tuple(args[0].shape)))
+    return shapes
+
+
+def test_one_pass_computes_each_prompt_once_and_real_response_tokens_only():
+    model = llama(2)
+    shapes = mlp_inputs(model)
     outputs(model, share=True)
-    # the prompt pass: 3 prompts of up to 5 tokens; the response pass: response tokens 0 to
-    # n-2 of each row (token n-1 predicts nothing), 1+3+0+0+2+1+3 = 10, not 7 rows x 3
-    assert shapes == [(3, 5, 32), (10, 32)]
+    # the 3 distinct prompts' 4 + 2 + 5 tokens, and response tokens 0 to n-2 of each row
+    # (token n-1 predicts nothing), 1+3+0+0+2+1+3 = 10, packed in one call: not 7 rows x 8
+    assert shapes == [(11 + 10, 32)]
+    shapes.clear()
+    outputs(model, share=False)
+    assert shapes == [(7, 8, 32)]  # every row whole, the longest 8 tokens
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_both_ways_of_attending_give_the_whole_rows_logprobs_and_gradients(kv_heads,
+                                                                           monkeypatch):
+    """`attend` takes the fused kernel past `SMALL_ATTENTION` scores: with a limit of 0
+    every attention of the shared pass does, and the results are the same."""
+    model = llama(kv_heads)
+    whole, g_whole, mask = outputs(model, share=False)
+    calls = []
+    fused = prefix.F.scaled_dot_product_attention
+    monkeypatch.setattr(prefix, "SMALL_ATTENTION", 0)
+    monkeypatch.setattr(prefix.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    shared, g_shared, _ = outputs(model, share=True)
+    assert len(calls) == 2 * 2  # prompts and responses, in each of the 2 layers
+    m = mask.bool()
+    torch.testing.assert_close(shared.logprobs[m], whole.logprobs[m], atol=2e-5, rtol=0)
+    torch.testing.assert_close(shared.entropy[m], whole.entropy[m], atol=2e-5, rtol=0)
+    for name, g in g_whole.items():
+        torch.testing.assert_close(g_shared[name], g, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_attend_matches_the_fused_kernel_with_grouped_queries():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)
+    allowed = torch.rand(3, 1, 5, 7) > 0.4
+    allowed[..., 0] = True  # every query sees at least one key
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3,
+                                                            enable_gqa=True)
+    torch.testing.assert_close(prefix.attend(q, k, v, bias, 0.3), want, atol=1e-5, rtol=1e-5)
 
 
 def test_left_padded_rows_and_other_models_take_the_whole_rows():
@@ -126,9 +155,7 @@ def test_left_padded_rows_and_other_models_take_the_whole_rows():
 def test_the_policy_module_shares_prompts_when_asked():
     model = llama(2)
     ids, attn, starts, mask = rows(SAMPLES)
-    seen = []
-    model.base_model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    shapes = mlp_inputs(model)
     PolicyModule(model)(ids, attn, starts)
     PolicyModule(model, share_prompts=True)(ids, attn, starts)
-    assert seen == [7, 3]
+    assert shapes == [(7, 8, 32), (21, 32)]
