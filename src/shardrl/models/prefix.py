@@ -110,9 +110,9 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
     projections, the MLP: most of the work) run once per layer on every real token of both
     kinds packed together: no padding, no row's last token (it predicts padding), and one
     call per module where the model's own forward over the prompts followed by a response
-    pass made two. On the demo's batches of 128-240 rows an update took 9% less CPU than
-    with that prompt pass (33.6 ms against 36.8, one thread, medians of 7 interleaved
-    repeats; `attend` is part of that)."""
+    pass made two. With `attend` and `KEY_BLOCK`, an update of the demo's batches of 128-240
+    rows took 20% less CPU than with that prompt pass (30.1 ms against 37.7, one thread,
+    medians of 7 interleaved repeats)."""
     config = base.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -127,14 +127,19 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
     cos, sin = base.rotary_emb(x, positions[None])  # (1, N, D)
     cos, sin = cos[0], sin[0]  # (N, D)
     lowest = torch.finfo(x.dtype).min
-    p_steps = torch.arange(p_width, device=x.device)
-    p_allowed = (p_steps[None, :] <= p_steps[:, None])[None] & prompt_mask[:, None, :]
-    p_bias = x.new_zeros(p_allowed.shape).masked_fill(~p_allowed, lowest)[:, None]  # (U, 1, P, P)
+    # key positions in multiples of KEY_BLOCK, the padding masked out (see KEY_BLOCK)
+    p_keys = p_width + (-p_width % KEY_BLOCK)
+    r_keys = p_width + r_width + (-(p_width + r_width) % KEY_BLOCK)
+    p_steps = torch.arange(p_keys, device=x.device)
+    p_allowed = ((p_steps[None, :] <= p_steps[:, None])[None]
+                 & F.pad(prompt_mask, (0, p_keys - p_width))[:, None, :])  # (U, P', P')
+    p_bias = x.new_zeros(p_allowed.shape).masked_fill(~p_allowed, lowest)[:, None]
     r_steps = torch.arange(r_width, device=x.device)
     r_allowed = torch.cat([prompt_mask.index_select(0, inverse)[:, None, :]
                            .expand(-1, r_width, -1),
                            (r_steps[None, :] <= r_steps[:, None])[None] & keep[:, None, :]],
                           dim=-1)  # (B, R, P + R): query row, key column
+    r_allowed = F.pad(r_allowed, (0, r_keys - p_width - r_width))  # (B, R, K')
     r_bias = x.new_zeros(r_allowed.shape).masked_fill(~r_allowed, lowest)[:, None]
 
     def rows(packed: Tensor, real: tuple[Tensor, Tensor], n_rows: int, width: int,
@@ -147,6 +152,13 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
         """(rows, heads, width, D) -> (M, heads * D) at the real positions."""
         return o.transpose(1, 2).flatten(2)[real]
 
+    def response_keys(prompt: Tensor, response: Tensor) -> Tensor:
+        """Each row's prompt keys (or values), its response's and zeros: (B, kv_heads, K', D)."""
+        tail = response.new_zeros((*response.shape[:2], r_keys - p_width - r_width,
+                                   head_dim))
+        return torch.cat([prompt[:, :, :p_width].index_select(0, inverse), response, tail],
+                         dim=2)
+
     for layer in base.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)  # (N, H)
@@ -154,14 +166,12 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
         k = attn.k_proj(h).view(-1, kv_heads, head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # (N, heads, D), (N, kv_heads, D)
         q, k, v = q.flatten(1), k.flatten(1), attn.v_proj(h)
-        qp, kp, vp = (rows(t[:n_p], p_real, n_prompts, p_width, n)
+        qp, kp, vp = (rows(t[:n_p], p_real, n_prompts, p_keys, n)
                       for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
-        o_p = attend(qp, kp, vp, p_bias, attn.scaling)  # (U, heads, P, D)
+        o_p = attend(qp, kp, vp, p_bias, attn.scaling)  # (U, heads, P', D)
         qr, kr, vr = (rows(t[n_p:], r_real, batch, r_width, n)
                       for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
-        keys = torch.cat([kp.index_select(0, inverse), kr], dim=2)  # (B, kv_heads, P + R, D)
-        values = torch.cat([vp.index_select(0, inverse), vr], dim=2)
-        o_r = attend(qr, keys, values, r_bias, attn.scaling)
+        o_r = attend(qr, response_keys(kp, kr), response_keys(vp, vr), r_bias, attn.scaling)
         x = x + attn.o_proj(torch.cat([packed(o_p, p_real), packed(o_r, r_real)]))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = base.norm(x)  # (N, H)
@@ -170,6 +180,12 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
     return last, responses
 
 
+KEY_BLOCK = 16
+"""The attention's key positions come in multiples of this, the extra ones masked out: torch's
+CPU softmax over a last dimension that is not a multiple of 16 (the AVX-512 width) takes a
+slow path, 1.7 ms against 0.14 for (240, 4, 7, 15) scores against (240, 4, 7, 16), and the
+fused kernel slows down alike (forward and backward of the demo's response attention 4.9 ms
+with 15 keys, 2.1 ms with 16)."""
 
 SMALL_ATTENTION = 1 << 22
 """Most attention scores (rows x heads x queries x keys) `attend` computes as two matrix
