@@ -121,6 +121,26 @@ def test_both_ways_of_attending_give_the_whole_rows_logprobs_and_gradients(kv_he
         torch.testing.assert_close(g_shared[name], g, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_keys_come_in_blocks_of_16_with_the_padding_masked(monkeypatch):
+    """CPU softmax is slow on widths that are not a multiple of 16: every attention of the
+    shared pass gets a padded key width, and no query attends to the padding."""
+    model = llama(2)
+    seen = []
+    attend = prefix.attend
+
+    def spy(q, k, v, bias, scale):
+        seen.append(k.shape[2])
+        masked = bias.eq(torch.finfo(bias.dtype).min).all(dim=(0, 1, 2))  # (K,) per key
+        seen.append(int((~masked).nonzero().max()) + 1)  # keys some query attends to
+        return attend(q, k, v, bias, scale)
+
+    monkeypatch.setattr(prefix, "attend", spy)
+    outputs(model, share=True)
+    # per layer: the prompts (the longest 5 tokens, in 16 keys), then the responses (their
+    # prompts' 5 positions and 3 response positions, in 16 keys)
+    assert seen == [16, 5, 16, 8] * 2
+
+
 def test_attend_matches_the_fused_kernel_with_grouped_queries():
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)
