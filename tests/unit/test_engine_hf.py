@@ -149,9 +149,10 @@ def test_static_cache_decoding_samples_what_the_models_forward_samples(tokenizer
         for s, f in zip(group_s, group_f, strict=True):
             assert s.token_ids == f.token_ids and s.finish_reason == f.finish_reason
             # eager attention written out: the same operations as the model's, except that
-            # without grouped heads the weighted sum of values is a multiply-add, which sums
-            # in another order (float32 rounding)
-            tol = {"grouped-eager": 0.0, "grouped-sdpa": 1e-5}.get(kind, 1e-6)
+            # the keys come in blocks of 16 (the softmax and the weighted sum run on other
+            # kernels) and, without grouped heads, the weighted sum of values is a
+            # multiply-add, which sums in another order (float32 rounding)
+            tol = {"grouped-sdpa": 1e-5}.get(kind, 1e-6)
             assert s.logprobs == pytest.approx(f.logprobs, abs=tol)
 
 
