@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shardrl.engines.base import Sample
+from shardrl.models.prefix import key_width
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -66,12 +67,6 @@ class StaticDecoder:
     ARCHITECTURES = ("llama",)
     """`config.model_type`s whose decoder layers have exactly that structure."""
 
-    KEY_BLOCK = 16
-    """A step attends to its keys in whole blocks of this many positions, the ones past its
-    own masked: torch's CPU softmax takes a slow path on a last dimension that is not a
-    multiple of 16 (the AVX-512 width). At the demo's size a step's attention took 148 us
-    against 201-241 us on 9-13 keys (128 rows, 4 heads)."""
-
     def __init__(self, base: torch.nn.Module, prefill_cache, attention: torch.Tensor, n: int,
                  max_new_tokens: int) -> None:
         config = base.config
@@ -83,9 +78,8 @@ class StaticDecoder:
         self.scaling = self.head_dim ** -0.5
         prompts, width = attention.shape
         self.batch = prompts * n
-        # positions in whole blocks of KEY_BLOCK, the ones not yet written zeros and masked
-        capacity = width + max_new_tokens
-        capacity += -capacity % self.KEY_BLOCK
+        # positions in whole blocks (`models.prefix.KEY_BLOCK`), the unwritten ones zeros, masked
+        capacity = key_width(width + max_new_tokens)
         self.keys: list[torch.Tensor] = []  # per layer (B, H_kv, capacity, D)
         self.values: list[torch.Tensor] = []
         for layer in prefill_cache.layers:
@@ -119,7 +113,9 @@ class StaticDecoder:
         cos, sin = base.rotary_emb(x, positions)
         at, seen = self.written, self.written + 1
         self.mask[..., at] = 0.0  # the position this step writes
-        seen += -seen % self.KEY_BLOCK  # the keys through it, in whole blocks
+        # the keys through it, in whole blocks (at the demo's size a step's attention took
+        # 148 us against 201-241 us on 9-13 keys, 128 rows, 4 heads)
+        seen = key_width(seen)
         mask = self.mask[..., :seen]  # (B, 1, 1, L)
         for layer, keys, values in zip(base.layers, self.keys, self.values, strict=True):
             attn = layer.self_attn

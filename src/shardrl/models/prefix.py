@@ -128,8 +128,7 @@ def joint_pass(base: nn.Module, prompts: Tensor, prompt_mask: Tensor, inverse: T
     cos, sin = cos[0], sin[0]  # (N, D)
     lowest = torch.finfo(x.dtype).min
     # key positions in multiples of KEY_BLOCK, the padding masked out (see KEY_BLOCK)
-    p_keys = p_width + (-p_width % KEY_BLOCK)
-    r_keys = p_width + r_width + (-(p_width + r_width) % KEY_BLOCK)
+    p_keys, r_keys = key_width(p_width), key_width(p_width + r_width)
     p_steps = torch.arange(p_keys, device=x.device)
     p_allowed = ((p_steps[None, :] <= p_steps[:, None])[None]
                  & F.pad(prompt_mask, (0, p_keys - p_width))[:, None, :])  # (U, P', P')
@@ -187,11 +186,18 @@ slow path, 1.7 ms against 0.14 for (240, 4, 7, 15) scores against (240, 4, 7, 16
 fused kernel slows down alike (forward and backward of the demo's response attention 4.9 ms
 with 15 keys, 2.1 ms with 16)."""
 
+
+
+def key_width(keys: int) -> int:
+    """`keys` rounded up to a whole number of `KEY_BLOCK`s (decoding uses it too)."""
+    return keys + (-keys % KEY_BLOCK)
+
+
 SMALL_ATTENTION = 1 << 22
 """Most attention scores (rows x heads x queries x keys) `attend` computes as two matrix
-products around a float32 softmax on CPU: on the demo's short rows that is about a third cheaper than the fused kernel
-(forward and backward, 1.6 ms against 2.3 for 240 rows), and past this size the fused kernel
-keeps the scores from being held whole."""
+products around a float32 softmax on CPU: on the demo's short rows that is about a third
+cheaper than the fused kernel (forward and backward, 1.6 ms against 2.3 for 240 rows), and
+past this size the fused kernel keeps the scores from being held whole."""
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
