@@ -116,11 +116,18 @@ class SeaweedServer:
         client = self.client()
         if not client.bucket_exists(name):
             client.make_bucket(name)
+        self.wait_writable(name, timeout_s)
+
+    def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:
+        """Wait until an object can be written to `bucket` and removed again. After `start`
+        the gateway answers before its volume server has registered: writes fail for a few
+        seconds more, so an outage lasts until this returns, not until `start` does."""
+        client = self.client()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                client.put_object(name, ".probe", io.BytesIO(b""), 0)
-                client.remove_object(name, ".probe")
+                client.put_object(bucket, ".probe", io.BytesIO(b""), 0)
+                client.remove_object(bucket, ".probe")
                 return
             except Exception:
                 if time.monotonic() > deadline:

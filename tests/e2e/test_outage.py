@@ -65,6 +65,7 @@ def test_outages_short_ridden_out_long_fails_clearly_and_resumes(tmp_path, serve
     server.stop()
     time.sleep(OUTAGE_S)
     server.start()
+    server.wait_writable("shardrl")  # the outage, as the stages meet it, ends here
     down = time.monotonic() - stopping
 
     # ridden out: every stage waited (none restarted), logged it once, and went on
