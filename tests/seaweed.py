@@ -119,9 +119,9 @@ class SeaweedServer:
         self.wait_writable(name, timeout_s)
 
     def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:
-        """Wait until an object can be written to `bucket` and removed again. After `start`
-        the gateway answers before its volume server has registered: writes fail for a few
-        seconds more, so an outage lasts until this returns, not until `start` does."""
+        """Wait until an object can be written to `bucket` and removed again. `start` returns
+        once the gateway answers a listing; object calls can still fail for seconds after
+        that, so an outage lasts until this returns, not until `start` does."""
         client = self.client()
         deadline = time.monotonic() + timeout_s
         while True:

@@ -187,7 +187,6 @@ fused kernel slows down alike (forward and backward of the demo's response atten
 with 15 keys, 2.1 ms with 16)."""
 
 
-
 def key_width(keys: int) -> int:
     """`keys` rounded up to a whole number of `KEY_BLOCK`s (decoding uses it too)."""
     return keys + (-keys % KEY_BLOCK)
