@@ -141,6 +141,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -539,6 +540,16 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
             **pipeline_figures(points), "snapshot": snapshot}
 
 
+def discard_run(run_id: str, snapshot: Path) -> None:
+    """Remove a finished repeat's store and snapshot folder once every side has read them: a
+    20-step SmolLM2 run keeps about 5 GB of checkpoints. A failed repeat raises before this,
+    and its store stays for inspection."""
+    from shardrl.store import RunKeys
+
+    shutil.rmtree(WORK / RunKeys(run_id).root)
+    shutil.rmtree(snapshot)
+
+
 # -- TRL side ------------------------------------------------------------------------------
 TRL_SCALE = {"batch": "batch", "prompt": "group", "none": "none"}
 """Our advantage normalisation -> TRL's `scale_rewards`."""
@@ -707,7 +718,8 @@ def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
     each to `vs_sync_runs`; `choose_baseline` later makes one of them the row's `sync`.
     `eval_points` spread over ShardRL's time for the baseline (evaluated after its budget
     with `sync_eval_after`), `trl_eval_points` (default the same) for TRL."""
-    s = run_shardrl(config, overrides, f"trl-bench-{tag}")
+    run_id = f"trl-bench-{tag}"
+    s = run_shardrl(config, overrides, run_id)
     row: dict = {"shardrl": {k: v for k, v in s.items() if k != "snapshot"}, "sync_runs": {},
                  "order": list(order)}
     for peer in order:
@@ -725,6 +737,7 @@ def one_repeat(config: str, overrides: list[str], tag: str, eval_points: int,
         r["samples_per_s"] = r["samples"] / r["seconds"]
     row["vs_sync_runs"] = {t: compare_sync(row["shardrl"], run)
                            for t, run in row["sync_runs"].items()}
+    discard_run(run_id, s["snapshot"])
     if "trl" in row:
         row["samples_per_s_ratio"] = (row["shardrl"]["samples_per_s"]
                                       / row["trl"]["samples_per_s"])
