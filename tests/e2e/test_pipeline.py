@@ -127,3 +127,5 @@ def test_killed_learner_is_restarted_and_resumes(tmp_path, tiny_config):
                 for f in sorted((store / "runs" / "k1" / "state" / "learn").glob("ledger-*.json"))]
     assert versions == sorted(versions) and versions[-1] == steps
     assert sorted(set(versions)) == list(range(versions[0], steps + 1))  # continuous, none skipped
+    # every stage's model-file cache is gone, the killed learner's too (the runner's sweep)
+    assert not (tmp_path / "cache" / "k1").exists(), list((tmp_path / "cache" / "k1").iterdir())

@@ -17,7 +17,7 @@ from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
-from ..stages.context import retry_policy
+from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
 from ..store.records import Aborted
@@ -241,6 +241,7 @@ def run(args) -> int:
         return store_down(lr, monitor, exc)
     finally:
         lr.stop_all()
+        release_cache(lr.run_id)  # what stages killed before their end left behind
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
 

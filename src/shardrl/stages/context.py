@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -176,9 +178,11 @@ class StageContext:
         self._idle_watches.append(watch)
 
     def close(self) -> None:
-        """Close what the stage kept open for its life (`retire`)."""
+        """Close what the stage kept open for its life (`retire`) and remove its model-file
+        cache (`release_cache`)."""
         while self._idle_watches:
             self._idle_watches.pop().close()
+        release_cache(self.run_id)
 
     def as_stage(self, stage: str, worker: int | None = None) -> StageContext:
         """This context doing another stage's work in this process (inline post-processing,
@@ -189,11 +193,49 @@ class StageContext:
                        metrics=MetricsSink(self.store, self.keys, stage, worker))
 
     def cache_dir(self) -> Path:
-        """Per-run local cache for downloaded model files."""
-        root = Path(os.environ.get("SHARDRL_CACHE", Path.home() / ".cache" / "shardrl"))
-        path = root / self.run_id / f"{self.stage}-{self.worker}-{os.getpid()}"
+        """This process's local folder for the model files it downloads (the policy's v0
+        folder, the reference): `cache_root()/RUN/STAGE-WORKER-PID`, removed when the stage
+        ends (`release_cache`)."""
+        path = cache_root() / self.run_id / f"{self.stage}-{self.worker}-{os.getpid()}"
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def cache_root() -> Path:
+    """Where stages download model files: `SHARDRL_CACHE`, else `~/.cache/shardrl`."""
+    return Path(os.environ.get("SHARDRL_CACHE", Path.home() / ".cache" / "shardrl"))
+
+
+def release_cache(run_id: str) -> None:
+    """Remove the model-file caches of `run_id` that no running process uses: this
+    process's, and those of processes that have exited (a stage killed before it could remove
+    its own); then the run's folder once it is empty.
+
+    A stage loads the files it downloads once, at its start, into memory, and every process
+    downloads its own copy (a SmolLM2 policy folder is about 0.5 GB per stage), so nothing
+    reads them after the stage ends and, kept, they would add up run after run."""
+    run_dir = cache_root() / run_id
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:  # never created, or removed meanwhile
+        return
+    for entry in entries:
+        pid = entry.name.rpartition("-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another stage's cache is still there
+        run_dir.rmdir()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def warm_up() -> None:

@@ -170,6 +170,7 @@ class Replay:
         finally:
             learner.close_writes()
             ctx.metrics.flush()
+            ctx.close()
         if self.verify:
             self.check.write(self.store, self.dst.replay_check())
         return self.check
@@ -239,3 +240,4 @@ class Replay:
             evaluate.main(ctx)
         finally:
             ctx.metrics.flush()
+            ctx.close()

@@ -1,0 +1,59 @@
+"""Stages remove their model-file caches: their own when they end, and those of exited
+processes (a stage killed before its end)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shardrl.stages.context import StageContext, cache_root, release_cache
+
+
+def _exited_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_release_removes_own_and_exited_caches_keeps_running_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path
+    run = tmp_path / "r1"
+    own = run / f"learn-0-{os.getpid()}"
+    dead = run / f"rollout-1-{_exited_pid()}"
+    alive = run / f"evaluate-0-{os.getppid()}"  # the test runner's parent is running
+    for folder in (own, dead, alive):
+        (folder / "policy-base").mkdir(parents=True)
+        (folder / "policy-base" / "model.safetensors").write_bytes(b"x" * 1024)
+    other_run = tmp_path / "r2" / f"learn-0-{os.getpid()}"
+    other_run.mkdir(parents=True)
+
+    release_cache("r1")
+    assert not own.exists() and not dead.exists()
+    assert (alive / "policy-base" / "model.safetensors").exists()
+    assert run.exists()  # still holds the running process's cache
+    assert other_run.exists()  # another run's caches are not this run's to remove
+
+    (alive / "policy-base" / "model.safetensors").unlink()
+    alive.rename(run / f"evaluate-0-{_exited_pid()}")
+    release_cache("r1")
+    assert not run.exists()  # empty: removed
+    release_cache("r1")  # nothing left: no error
+
+
+def test_stage_context_close_removes_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    from shardrl.config import load_config
+    from shardrl.store import LocalStore
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    ctx = StageContext(stage="learn", cfg=load_config(demo), run_id="r3",
+                       store=LocalStore(tmp_path / "store"))
+    folder = ctx.cache_dir()
+    assert folder == tmp_path / "cache" / "r3" / f"learn-0-{os.getpid()}"
+    (folder / "ref").mkdir()
+    (folder / "ref" / "config.json").write_text("{}")
+    ctx.close()
+    assert not (tmp_path / "cache" / "r3").exists()
