@@ -61,7 +61,10 @@ def run_round(store: Store, cfg: RunConfig, run_id: str, stage: str) -> None:
     ctx = StageContext(stage=stage, cfg=cfg, run_id=run_id, store=store, once=True,
                        log=logging.getLogger(f"rounds.{stage}"))
     ctx.metrics = MetricsSink(store, ctx.keys, stage, 0)
-    with _deadline(ROUND_TIMEOUT_S, f"a round of {stage}"):
-        code = importlib.import_module(f"shardrl.stages.{stage}").main(ctx)
-    ctx.metrics.flush()
+    try:
+        with _deadline(ROUND_TIMEOUT_S, f"a round of {stage}"):
+            code = importlib.import_module(f"shardrl.stages.{stage}").main(ctx)
+        ctx.metrics.flush()
+    finally:
+        ctx.close()  # as a stage process ends: its model-file cache goes too
     assert code == 0, f"{stage} exited with {code}"

@@ -78,6 +78,8 @@ def test_supervisor_restarts_then_aborts_and_every_looping_stage_stops(tmp_path)
             assert proc.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         assert time.monotonic() - aborted_at < 60
         assert "run aborted: evaluate failed for good" in (tmp_path / "learn.log").read_text()
+        # and the other stages' when they ended
+        assert not (tmp_path / "cache" / "sv").exists(), list((tmp_path / "cache").rglob("*"))
         assert not open_store(str(store)).exists(RunKeys("sv").done())
     finally:
         for proc in (supervisor, *others.values()):

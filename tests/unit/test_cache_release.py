@@ -57,3 +57,23 @@ def test_stage_context_close_removes_its_cache(tmp_path, monkeypatch):
     (folder / "ref" / "config.json").write_text("{}")
     ctx.close()
     assert not (tmp_path / "cache" / "r3").exists()
+
+
+def test_supervisor_removes_the_cache_its_child_left(tmp_path, monkeypatch):
+    """A stage killed in its pod leaves its copy; the supervisor removes it once it exits."""
+    from argparse import Namespace
+
+    from shardrl.orchestrate import supervise
+
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    # the child makes its cache folder as a stage does, then dies without removing it
+    script = ("import os, pathlib; p = pathlib.Path(os.environ['SHARDRL_CACHE']) / 'r4' / "
+              "f'evaluate-0-{os.getpid()}'; p.mkdir(parents=True); "
+              "(p / 'model.safetensors').write_bytes(b'x'); os._exit(0)")
+    monkeypatch.setattr(supervise, "child_command", lambda args: [sys.executable, "-c", script])
+    monkeypatch.setattr(supervise.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    args = Namespace(config=str(demo), overrides=[], name="evaluate", run_id="r4",
+                     store=str(tmp_path / "store"), worker=0, workers=1, once=False)
+    assert supervise.run(args) == 0
+    assert not (tmp_path / "cache" / "r4").exists()

@@ -25,7 +25,7 @@ import time
 from ..graph import entrypoint
 from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
-from ..stages.context import load_stage_config, retry_policy, setup_logging
+from ..stages.context import load_stage_config, release_cache, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
 from .local import restart_delay
@@ -67,6 +67,7 @@ def run(args) -> int:
         started = time.monotonic()
         child = subprocess.Popen(command, preexec_fn=die_with_parent())
         code = child.wait()
+        release_cache(args.run_id)  # the model files of a child killed before its end
         if code == 0 or stopping.is_set():
             return exit_status(code)
         if (marker := Aborted.read(store, keys.aborted(), optional=True)) is not None:
