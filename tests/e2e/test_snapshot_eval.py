@@ -16,7 +16,8 @@ from shardrl.tasks.source import make_task
 from .conftest import run_cli
 
 
-def test_the_snapshot_is_evaluated_before_it_is_published(tmp_path, tiny_config):
+def test_the_snapshot_is_evaluated_before_it_is_published(tmp_path, tiny_config, monkeypatch):
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
     store_dir = tmp_path / "store"
     res = run_cli(["stage", "snapshot", "--config", str(tiny_config), "--run-id", "s",
                    "--store", str(store_dir)], tmp_path)
@@ -37,13 +38,17 @@ def test_the_snapshot_is_evaluated_before_it_is_published(tmp_path, tiny_config)
     again.metrics = MetricsSink(store, again.keys, "evaluate", 0)
     for key in store.list(keys.root + "policy/v000000/"):  # the same snapshot, another run
         store.put_bytes(again.keys.root + key[len(keys.root):], store.get_bytes(key))
-    ours = evaluate_version(again, PolicyEngine(again, 0), make_task(cfg), 0)
+    try:
+        ours = evaluate_version(again, PolicyEngine(again, 0), make_task(cfg), 0)
+    finally:
+        again.close()  # as the stage's process would at its end (its model-file cache)
     assert read_shard(store, again.keys.eval_table(0), EVAL).equals(
         read_shard(store, keys.eval_table(0), EVAL))
     when = ("seconds", "evaluated")  # how long it took and when it ended differ
     assert {k: v for k, v in ours.items() if k not in when} == \
         {k: v for k, v in summary.items() if k not in when}
     assert store.list(keys.root + "metrics/evaluate/"), "its metrics are under evaluate/"
+    assert not (tmp_path / "cache" / "again").exists()
 
     # the evaluate stage starts at the next version it owes
     assert Schedule(store, keys, cfg.eval.every, cfg.learner.total_steps).next == cfg.eval.every
