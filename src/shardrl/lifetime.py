@@ -1,4 +1,5 @@
-"""Child processes that must not outlive their parent (Linux: the kernel kills them)."""
+"""Child processes that must not outlive their parent (Linux: the kernel kills them), and
+whether a process is still running."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return hook
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        pass
+    return True

@@ -17,6 +17,7 @@ import yaml
 
 from ..config import RunConfig, load_config, validate
 from ..config.loader import apply_override, resolve_mapping
+from ..lifetime import running
 from ..quiet import quiet_libraries
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
@@ -221,21 +222,10 @@ def release_cache(run_id: str) -> None:
         return
     for entry in entries:
         pid = entry.name.rpartition("-")[2]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not running(int(pid))):
             shutil.rmtree(entry, ignore_errors=True)
     with contextlib.suppress(OSError):  # another stage's cache is still there
         run_dir.rmdir()
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists (signal 0 checks without sending anything)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def warm_up() -> None:

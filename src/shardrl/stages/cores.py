@@ -19,17 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..lifetime import running
+
 SHARE_ENV, CORES_ENV = "SHARDRL_CORE_SHARE", "SHARDRL_CORES"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        pass
-    return True
 
 
 def fair_threads(cores: int, busy: int, floor: int) -> int:
@@ -64,7 +56,7 @@ class CoreShare:
         for marker in self.root.iterdir():
             if not marker.name.isdigit():
                 continue
-            if _alive(int(marker.name)):
+            if running(int(marker.name)):
                 count += 1
             else:
                 marker.unlink(missing_ok=True)
