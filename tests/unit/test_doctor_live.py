@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from shardrl.config import RunConfig
 from shardrl.doctor import LiveDoctor, finding_tags, load_store_metrics, saved_findings
-from shardrl.doctor.series import reduce_points, tolerant_config
+from shardrl.doctor.series import Reducer, reduce_points, tolerant_config
 from shardrl.store import LocalStore, RunKeys, write_shard
 from shardrl.store.schemas import METRICS
 
@@ -28,6 +28,72 @@ def test_points_reduce_to_one_value_per_step():
     assert m.values.tolist() == [7.0]
     nan = reduce_points("learn/grad_norm", [1, 1], [1.0, math.nan])
     assert math.isnan(nan.values[0]) and len(nan.finite()) == 0
+
+
+def test_series_asked_again_as_points_arrive_match_one_built_from_scratch():
+    # points arrive in rounds, as the live doctor reads them: new steps after the last, late
+    # points of earlier steps (a lagging rollout shard), steps before the first, a NaN
+    rounds = [
+        [("learn/kl_sum", 1, 1.0), ("learn/kl_sum", 2, 2.0), ("x/adv_max", 2, 5.0)],
+        [("learn/kl_sum", 3, 4.0), ("learn/kl_sum", 1, 3.0), ("x/adv_max", 2, 9.0)],
+        [("learn/kl_sum", 0, 8.0), ("learn/kl_sum", 5, 1.0), ("x/adv_max", 4, math.nan)],
+        [],
+        [("learn/kl_sum", 4, 6.0), ("learn/kl_sum", 5, 3.0), ("x/adv_max", 4, 1.0)],
+    ]
+    live, seen, earlier = Reducer(), [], None
+    for points in rounds:
+        for p in points:
+            live.add(*p)
+        seen += points
+        got, fresh = live.metrics(), Reducer()
+        for p in seen:
+            fresh.add(*p)
+        want = fresh.metrics()
+        for name in want.names():
+            a, b = got.get(name), want.get(name)
+            assert a.steps.tolist() == b.steps.tolist()
+            assert a.values.tolist() == b.values.tolist() or (
+                [v for v in a.values if v == v] == [v for v in b.values if v == v]
+                and (a.values != a.values).tolist() == (b.values != b.values).tolist())
+        if earlier is not None:  # a series handed out earlier is not changed under its holder
+            assert earlier.steps.tolist() == [1, 2, 3]
+        if len(seen) == 6:
+            earlier = got.get("learn/kl_sum")
+    kl = live.series("learn/kl_sum")
+    # step 1: mean(1, 3); step 5: mean(1, 3); steps 0, 2, 3, 4 one point each
+    assert kl.steps.tolist() == [0, 1, 2, 3, 4, 5]
+    assert kl.values.tolist() == [8.0, 2.0, 2.0, 4.0, 6.0, 2.0]
+    # x/adv_max (a maximum): step 2 the larger of 5 and 9, step 4 a mean once a NaN came in
+    adv = live.series("x/adv_max")
+    assert adv.values[0] == 9.0 and math.isnan(adv.values[1])
+
+
+def test_series_patched_round_by_round_over_a_long_run():
+    # 60 rounds of 10 new steps each plus late points up to 8 steps back: after the first
+    # rounds each call patches the last series instead of rebuilding it, with the same result
+    import numpy as np
+
+    class Counting(Reducer):
+        builds = 0
+
+        def _build(self, name):
+            Counting.builds += 1
+            return super()._build(name)
+
+    rng = np.random.default_rng(0)
+    live, names = Counting(), ("rollout/version_lag", "learn/grad_norm_max")
+    for r in range(60):
+        late = rng.integers(max(0, 10 * r - 8), 10 * r + 10, 5)
+        for step in [*range(10 * r, 10 * r + 10), *late.tolist()]:
+            value = float(rng.normal())
+            for name in names:
+                live.add(name, step, value)
+        live.metrics()
+    assert Counting.builds <= 2 * 4  # the first rounds only
+    for name in names:
+        patched, built = live.series(name), live._build(name)
+        assert patched.steps.tolist() == built.steps.tolist() == list(range(600))
+        assert patched.values.tolist() == built.values.tolist()
 
 
 def test_store_metrics_from_every_stage(tmp_path):

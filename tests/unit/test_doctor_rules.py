@@ -227,6 +227,49 @@ def test_level_shift_ignores_a_one_point_spike():
     assert level_shift(shift, 5, 5.0, 2.0, 0, lambda i: 10.0) is None  # smaller than asked
 
 
+def spikes_by_definition(values: np.ndarray, w: int, factor: float) -> list[int]:
+    return [i for i in range(w, len(values))
+            if np.median(values[i - w:i]) > 0 and values[i] > factor * np.median(values[i - w:i])]
+
+
+def level_shift_by_definition(values, w, factor, noise_z, direction, min_change):
+    for i in range(w, len(values) - w + 1):
+        before, after = values[i - w:i], values[i:i + w]
+        jump, change = values[i] - values[i - 1], np.mean(after) - np.mean(before)
+        noise = math.sqrt(np.var(before, ddof=1) / w + np.var(after, ddof=1) / w)
+        if (direction * jump >= 0 and abs(jump) > factor * np.mean(np.abs(np.diff(before)))
+                and change * jump > 0 and abs(change) >= max(0.5 * abs(jump), min_change(i))
+                and abs(change) > noise_z * noise):
+            return i
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_window_scans_match_their_definitions_point_by_point(seed):
+    # noisy series with planted one-point spikes and lasting shifts of random size and
+    # direction: the all-windows-at-once scans find exactly what a loop over the points does
+    rng = np.random.default_rng(seed)
+    n, w = 400, int(rng.integers(2, 9))
+    x = 1.0 + 0.1 * rng.standard_normal(n)
+    for at in rng.integers(w, n, size=6):
+        x[at] *= rng.choice([0.2, 3.0, 8.0])
+    for at in rng.integers(w, n - w, size=3):
+        x[at:] += rng.choice([-4.0, -0.5, 0.5, 4.0])
+    assert spike_indices(x, w, 5.0) == spikes_by_definition(x, w, 5.0)
+    asked = []
+
+    def min_change(i):  # an index-dependent floor, as the reward's is
+        asked.append(i)
+        return 0.3 + 0.001 * i
+
+    for direction in (-1, 0, 1):
+        expected = level_shift_by_definition(x, w, 5.0, 2.0, direction, min_change)
+        assert level_shift(x, w, 5.0, 2.0, direction, min_change) == expected
+    assert spike_indices(x[:w], w, 5.0) == [] and level_shift(x[:2 * w - 1], w, 5.0, 2.0, 0,
+                                                              min_change) is None
+    assert asked  # the floor was consulted
+
+
 def test_remedy_keys_follow_the_kl_controller():
     s = base()
     s["learn/kl_sum"], s["learn/clip_frac"] = 1.25 ** STEP, 0.05 + 0.03 * STEP

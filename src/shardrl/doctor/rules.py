@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config import RunConfig
 from ..config.infra import DoctorConfig
@@ -158,13 +159,15 @@ def kl_stuck(m: Metrics, cfg: RunConfig) -> Finding | None:
 
 
 def spike_indices(values: np.ndarray, w: int, factor: float) -> list[int]:
-    """Indices i >= w with values[i] > factor * median(values[i-w:i]) (a positive median)."""
-    out = []
-    for i in range(w, len(values)):
-        base = float(np.median(values[i - w:i]))
-        if base > 0 and values[i] > factor * base:
-            out.append(i)
-    return out
+    """Indices i >= w with values[i] > factor * median(values[i-w:i]) (a positive median).
+
+    One median per window, all windows at once: the live doctor runs this over the whole
+    series every few steps, so a loop over the points would grow with the run's length."""
+    if len(values) <= w:
+        return []
+    base = np.median(sliding_window_view(values[:-1], w), axis=1)  # (N - w,): i = w..N-1
+    hit = (base > 0) & (values[w:] > factor * base)
+    return (np.flatnonzero(hit) + w).tolist()
 
 
 def spikes(m: Metrics, cfg: RunConfig) -> Finding | None:
@@ -231,16 +234,24 @@ def level_shift(values: np.ndarray, w: int, factor: float, noise_z: float, direc
     x[i:i+w] differs from that of x[i-w:i] in the jump's direction by at least half the jump,
     by at least `min_change(i)` and by more than `noise_z` standard errors; and `direction`
     (+1 up, -1 down, 0 either) agrees. A one-point spike fails the "stays there" test.
+    w >= 2 (`doctor.window`). Every window's statistics are computed at once; `min_change` is
+    called only at the indices that pass the rest, in order.
     """
-    for i in range(w, len(values) - w + 1):
-        before, after = values[i - w:i], values[i:i + w]
-        jump = values[i] - values[i - 1]
-        change = float(np.mean(after) - np.mean(before))
-        typical = float(np.mean(np.abs(np.diff(before))))
-        if (direction * jump >= 0 and abs(jump) > factor * typical and change * jump > 0
-                and abs(change) >= max(0.5 * abs(jump), min_change(i))
-                and abs(change) > noise_z * _noise(before, after)):
-            return i
+    n = len(values)
+    if n < 2 * w:
+        return None
+    windows = sliding_window_view(values, w)  # (N - w + 1, w): row j is x[j:j+w]
+    means, var = windows.mean(axis=1), windows.var(axis=1, ddof=1)
+    typical = sliding_window_view(np.abs(np.diff(values)), w - 1).mean(axis=1)  # row j: x[j:j+w]
+    i = np.arange(w, n - w + 1)  # candidates; x[i-w:i] is row i - w, x[i:i+w] row i
+    jump = values[i] - values[i - 1]
+    change = means[i] - means[i - w]
+    noise = np.sqrt(var[i - w] / w + var[i] / w)  # `_noise` of the two windows
+    ok = ((direction * jump >= 0) & (np.abs(jump) > factor * typical[i - w]) & (change * jump > 0)
+          & (np.abs(change) >= 0.5 * np.abs(jump)) & (np.abs(change) > noise_z * noise))
+    for k in np.flatnonzero(ok):
+        if abs(change[k]) >= min_change(int(i[k])):
+            return int(i[k])
     return None
 
 

@@ -57,26 +57,55 @@ def reduced(name: str, cell: list) -> float:
 
 class Reducer:
     """Points reduced per (name, step) as they arrive, in memory that grows with the steps,
-    not the points: their count, sum and maximum, and whether all were finite."""
+    not the points: their count, sum and maximum, and whether all were finite.
+
+    `series` is asked for again and again while points keep arriving (the live doctor, every
+    few steps of a run): it keeps each name's last series and redoes only the steps that
+    got points since, so a call costs the new points, not the whole run."""
 
     def __init__(self) -> None:
         self.cells: dict[str, dict[int, list]] = defaultdict(dict)
         """name -> step -> [count, sum, max, all finite]"""
+        self._built: dict[str, Series] = {}
+        """name -> its series as last returned"""
+        self._dirty: dict[str, set[int]] = defaultdict(set)
+        """name -> steps with points added since its series was last built"""
 
     def add(self, name: str, step: int, value: float) -> None:
-        value = float(value)
-        cell = self.cells[name].get(int(step))
+        value, step = float(value), int(step)
+        cell = self.cells[name].get(step)
         if cell is None:
-            self.cells[name][int(step)] = [1, value, value, math.isfinite(value)]
+            self.cells[name][step] = [1, value, value, math.isfinite(value)]
         else:
             cell[0] += 1
             cell[1] += value
             cell[2] = max(cell[2], value)
             cell[3] = cell[3] and math.isfinite(value)
+        self._dirty[name].add(step)
 
     def series(self, name: str) -> Series:
         """One value per step: mean of that step's points (max for maxima and counters, when
         all of the step's points are finite)."""
+        cells, built = self.cells[name], self._built.get(name)
+        dirty = self._dirty.pop(name, set())
+        if built is not None and not dirty:
+            return built
+        if built is None or 2 * len(dirty) > len(built):
+            out = self._build(name)
+        else:  # patch the steps that changed into the last series, insert the new ones
+            steps = np.asarray(sorted(dirty), dtype=np.int64)  # (D,)
+            values = np.asarray([reduced(name, cells[int(s)]) for s in steps], dtype=np.float64)
+            at = np.searchsorted(built.steps, steps)  # (D,)
+            known = built.steps[np.minimum(at, len(built) - 1)] == steps
+            patched = built.values.copy()  # a returned series stays as it was
+            patched[at[known]] = values[known]
+            new = ~known
+            out = Series(name, np.insert(built.steps, at[new], steps[new]),
+                         np.insert(patched, at[new], values[new]))
+        self._built[name] = out
+        return out
+
+    def _build(self, name: str) -> Series:
         cells = self.cells[name]
         ordered = sorted(cells)
         return Series(name, np.asarray(ordered, dtype=np.int64),
