@@ -12,12 +12,16 @@ import sys
 import textwrap
 import time
 
+import pyarrow as pa
 import pytest
 import torch
 
+from shardrl.config import RunConfig
+from shardrl.doctor import saved_findings
 from shardrl.models.io import load_state_dict_from_safetensors
 from shardrl.stages.learn.offload import (
     PROCESS_MAX_BYTES,
+    Check,
     CommitProcess,
     Point,
     Publish,
@@ -30,6 +34,8 @@ from shardrl.stages.policy import fetch_weights
 from shardrl.store import LocalStore, RetryPolicy, RunKeys, StoreUnavailable
 from shardrl.store.base import Retrier
 from shardrl.store.records import Progress
+from shardrl.store.schemas import METRICS
+from shardrl.store.shards import write_shard
 
 KEYS = RunKeys("r1")
 
@@ -64,6 +70,41 @@ def commits(weights: list[dict[str, torch.Tensor]]) -> list[list]:
 def store_files(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file()}
+
+
+def truncation_chunk(store, seq: int, steps: range, rate: float) -> None:
+    """A rollout metrics chunk with `rollout/truncation_rate` = `rate` at `steps`."""
+    n = len(steps)
+    write_shard(store, KEYS.metrics("rollout", f"w00-{seq}"), pa.table({
+        "stage": ["rollout"] * n, "name": ["rollout/truncation_rate"] * n,
+        "step": list(steps), "value": [rate] * n, "time": [0.0] * n}), METRICS)
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_the_live_doctor_checks_where_the_writes_run(tmp_path, where, caplog):
+    """A `Check` runs the doctor in the writer (the child process by default): it reads the
+    chunks written so far, records each new finding once in doctor.json and keeps what it
+    reported from one check to the next."""
+    store = LocalStore(tmp_path)
+    out = commit_writes(store, KEYS, where, RunConfig())
+    try:
+        out.run([Check(2)])
+        assert saved_findings(store, KEYS) == []
+        truncation_chunk(store, 1, range(5), 0.3)  # 30% truncated for 5 steps (> 10%)
+        out.run([Put(KEYS.progress(), Progress(version=5, commits=5, time=5.0)), Check(5)])
+        out.run([Check(6)])  # still true, already reported: not again
+    finally:
+        out.close()
+    found = store.get_json(KEYS.state("learn", "doctor.json"))["findings"]
+    assert [(f["code"], f["reported_at"]) for f in found] == [("truncation", 5)]
+    assert Progress.read(store, KEYS.progress()).version == 5
+    if where == "thread":  # the child logs to the learner's stderr, not to this process
+        assert "doctor at step 5" in caplog.text
+
+
+def test_a_check_needs_the_runs_config(tmp_path):
+    with pytest.raises(ValueError, match="config"):
+        Writes(LocalStore(tmp_path), KEYS).run([Check(1)])
 
 
 def test_the_child_writes_the_same_objects_as_this_process(tmp_path):

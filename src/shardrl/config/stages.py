@@ -183,7 +183,8 @@ class LearnerConfig(Section):
     poll_interval_s: float = Field(0.1, gt=0.0, le=600.0)
     """Longest wait between listings while waiting for data (a commit wakes it sooner)."""
     doctor_every: int = Field(10, ge=1, le=1_000_000)
-    """Run the live doctor every this many steps."""
+    """Run the live doctor every this many steps (where the commits' writes run: the
+    `commit_writer` child process by default)."""
     max_batches_without_signal: int | None = Field(64, ge=1, le=1_000_000)
     """Once this many batches' worth of prompt groups (`batch_prompts` each) in a row had none
     kept by filtering (every group's rewards were all equal, so there is nothing to learn

@@ -1,5 +1,7 @@
 """The doctor inside the learner: every `learner.doctor_every` steps it reads the run's new
-metric chunks, runs the rules, and reports each symptom once per run.
+metric chunks, runs the rules, and reports each symptom once per run. It runs where the
+learner's commit writes do (`stages.learn.offload`: the commit child process by default), so
+its Python does not hold the interpreter the updates run on.
 
 Reported findings are kept in `state/learn/doctor.json` (written by the learner only), so a
 restarted learner does not repeat them and the runner can tag the MLflow run from them

@@ -11,7 +11,7 @@ read and computed; at most one commit is in flight, and the learner waits for it
 next commit, before DONE.json and before it exits. The weights and optimizer state are
 serialized before the next update changes them. The thread hands all but the checkpoint to a
 child process (`learner.commit_writer`, see offload.py), whose interpreter is not the one the
-update runs on. A crash can lose only the commit in flight,
+update runs on; the live doctor's checks (every `learner.doctor_every` steps) run there too. A crash can lose only the commit in flight,
 which a restart redoes from the previous progress.json, as before.
 
 With `--once` (the synchronous pipeline: one learner process per round, started after the
@@ -30,7 +30,7 @@ tells them the run is over.
     loop.py     the learner: resume, the leader's loop, one step, one commit
     buffer.py   ready shards read and not yet committed; which of them make the next batch
     commit.py   the ledger (what was committed) and the ordered background store writes
-    offload.py  where a commit's writes run: this process, or a child process beside it
+    offload.py  where a commit's writes (and the doctor's checks) run: here, or a child process
     ranks.py    the step plan, the followers' loop, the collective part of a commit
     profile.py  where a step's time went (busy, reading, waiting, hand-off latency)
 """

@@ -28,7 +28,7 @@ from ..update import checkpoint_activations, update_loss
 from . import ranks
 from .buffer import Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
-from .offload import CommitProcess, Writes, commit_writes, settle
+from .offload import Check, CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
 
 
@@ -39,8 +39,9 @@ class Learner:
         # before the run exists, so that the fork is not on the way to the first step; the
         # leader's writes go where `learner.commit_writer` says, the other ranks' to a thread
         where = ctx.cfg.learner.commit_writer if os.environ.get("RANK", "0") == "0" else "thread"
-        self.commits: Writes | CommitProcess = commit_writes(ctx.store, ctx.keys, where)
-        """What runs the commits' writes."""
+        self.commits: Writes | CommitProcess = commit_writes(ctx.store, ctx.keys, where,
+                                                             ctx.cfg)
+        """What runs the commits' writes and the live doctor's checks."""
         try:
             self._start()
         except BaseException:
@@ -85,9 +86,6 @@ class Learner:
         scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled, self.writer.later)
         self.buffer = ReadyBuffer(ctx, scanner, self.profile)
         self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
-        from ...doctor.live import LiveDoctor
-
-        self.doctor = LiveDoctor(cfg, store, keys)
 
     def _resume_backend(self):
         """The backend over the policy (and critic), with the weights and optimizer state of
@@ -236,7 +234,9 @@ class Learner:
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % self.cfg.learner.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
-            self.writer.later(self.doctor.check, self.version)  # off the step's path
+            # off the step's path, after the commit: where the commits' writes run (in their
+            # child process by default, which keeps its Python off this process's lock)
+            self.writer.later(self.commits.run, [Check(self.version)])
 
     def barren_limit(self) -> bool:
         """Whether `max_batches_without_signal` batches' worth of prompt groups in a row had

@@ -22,9 +22,12 @@ copy of them, and the Python work it saves does not grow with the model.
 The child never writes on its own: each list is one request, answered once every write in
 it is in the store. So the commit order, and at most one commit in flight, stay the writer
 thread's, which also keeps the writes that need this process's memory (the optimizer
-checkpoint's live tensors, retention, the doctor). An error in the child comes back as the
-same exception (a `StoreUnavailable` stays one) and fails the commit as it would on the
-thread. An outage the child rides out is reported to the learner as it starts and ends, and
+checkpoint's live tensors, retention). The live doctor's checks (`Check`) run where the
+writes do: each reads the run's new metric chunks and runs the rules, 8-15 ms of Python at
+the demo's size that would otherwise hold the learner's interpreter lock every
+`learner.doctor_every` steps; the doctor's state (what it read, what it reported) lives
+there. An error in the child comes back as the same exception (a `StoreUnavailable` stays
+one) and fails the commit as it would on the thread. An outage the child rides out is reported to the learner as it starts and ends, and
 the learner logs it as its own, once: the learner may be making no store call of its own
 meanwhile, waiting for this commit. The child keeps the weights of the last version it
 published (the learner keeps none), so each version crosses the pipe once. It dies with the
@@ -41,6 +44,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +52,9 @@ from ...lifetime import die_with_parent
 from ...store import RunKeys, Store
 from ...store.records import Record
 from ..policy import point_latest, publish_weights
+
+if TYPE_CHECKING:
+    from ...config import RunConfig
 
 State = dict[str, torch.Tensor]
 
@@ -78,16 +85,25 @@ class Point:
     version: int
 
 
-Write = Publish | Put | Point
+@dataclass
+class Check:
+    """Run the live doctor over the metrics written so far, the learner at `version`
+    (`doctor.live.LiveDoctor.check`: it logs and records each new finding)."""
+    version: int
+
+
+Write = Publish | Put | Point | Check
 
 
 class Writes:
     """Runs lists of writes in this process. It keeps the weights it published last (or
-    was given as its `base`): what the next version's delta is taken against."""
+    was given as its `base`): what the next version's delta is taken against; and, given
+    the run's `cfg`, the live doctor that `Check`s run (made at the first)."""
 
-    def __init__(self, store: Store, keys: RunKeys) -> None:
-        self.store, self.keys = store, keys
+    def __init__(self, store: Store, keys: RunKeys, cfg: RunConfig | None = None) -> None:
+        self.store, self.keys, self.cfg = store, keys, cfg
         self.last: tuple[int, State] | None = None
+        self.doctor = None
 
     def base(self, version: int, state: State) -> None:
         """`state` is the published weights of `version` (the learner resumed there)."""
@@ -102,8 +118,19 @@ class Writes:
                 self.last = (w.version, w.weights)
             elif isinstance(w, Put):
                 w.record.write(self.store, w.key)
+            elif isinstance(w, Check):
+                self.check(w.version)
             else:
                 point_latest(self.store, self.keys, w.version, step=w.version)
+
+    def check(self, version: int) -> None:
+        if self.cfg is None:
+            raise ValueError("a doctor check needs the run's config (Writes(..., cfg))")
+        if self.doctor is None:
+            from ...doctor.live import LiveDoctor
+
+            self.doctor = LiveDoctor(self.cfg, self.store, self.keys)
+        self.doctor.check(version)
 
     def close(self) -> None:
         pass
@@ -135,7 +162,7 @@ def _receive_state(conn, specs: list[_Spec]) -> State:
     return state
 
 
-def _serve(conn, parent_end, store: Store, keys: RunKeys, die) -> None:
+def _serve(conn, parent_end, store: Store, keys: RunKeys, cfg: RunConfig | None, die) -> None:
     """The child's loop: receive a list of writes, run it, answer; until told to stop."""
     if die is not None:
         die()
@@ -147,7 +174,7 @@ def _serve(conn, parent_end, store: Store, keys: RunKeys, die) -> None:
     # them once with those its own calls met (the learner may be waiting on this request,
     # making none); the error that ends one (StoreUnavailable) comes back as the answer
     store.report_outages(lambda event, cause: conn.send(("outage", event, cause)))
-    writes = Writes(store, keys)
+    writes = Writes(store, keys, cfg)
     while True:
         try:
             message = conn.recv()
@@ -184,12 +211,12 @@ def _portable(error: BaseException) -> BaseException:
 class CommitProcess:
     """Runs lists of writes in a child process (see the module docstring)."""
 
-    def __init__(self, store: Store, keys: RunKeys) -> None:
-        self.store, self.keys = store, keys
+    def __init__(self, store: Store, keys: RunKeys, cfg: RunConfig | None = None) -> None:
+        self.store, self.keys, self.cfg = store, keys, cfg
         context = multiprocessing.get_context("fork")
         self.conn, child_end = context.Pipe()
         self.process = context.Process(
-            target=_serve, args=(child_end, self.conn, store, keys, die_with_parent()),
+            target=_serve, args=(child_end, self.conn, store, keys, cfg, die_with_parent()),
             name="learn-commit", daemon=True)
         self.process.start()
         child_end.close()
@@ -259,14 +286,16 @@ copy of it, and the Python work it saves the update (about 3 ms a commit) does n
 the model while the update does: past this size the thread costs less."""
 
 
-def commit_writes(store: Store, keys: RunKeys, where: str) -> Writes | CommitProcess:
-    """What runs a learner's commit writes: `where` is `learner.commit_writer`. A child
-    process (for `auto` too, until `settle` has seen the model's size) only on Linux, which
-    kills it with the learner; elsewhere, and for `thread`, this process. Made before the
-    learner loads anything, so the child shares none of the model's pages."""
+def commit_writes(store: Store, keys: RunKeys, where: str, cfg: RunConfig | None = None,
+                  ) -> Writes | CommitProcess:
+    """What runs a learner's commit writes (and, given the run's `cfg`, its doctor's
+    checks): `where` is `learner.commit_writer`. A child process (for `auto` too, until
+    `settle` has seen the model's size) only on Linux, which kills it with the learner;
+    elsewhere, and for `thread`, this process. Made before the learner loads anything, so
+    the child shares none of the model's pages."""
     if not sys.platform.startswith("linux") or where == "thread":
-        return Writes(store, keys)
-    return CommitProcess(store, keys)
+        return Writes(store, keys, cfg)
+    return CommitProcess(store, keys, cfg)
 
 
 def settle(out: Writes | CommitProcess, where: str, state_bytes: int,
@@ -275,5 +304,5 @@ def settle(out: Writes | CommitProcess, where: str, state_bytes: int,
     version takes `state_bytes` > `PROCESS_MAX_BYTES` (the child is stopped)."""
     if isinstance(out, CommitProcess) and where == "auto" and state_bytes > PROCESS_MAX_BYTES:
         out.close()
-        return Writes(out.store, out.keys)
+        return Writes(out.store, out.keys, out.cfg)
     return out
