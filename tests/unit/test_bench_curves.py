@@ -4,6 +4,7 @@ bench/run_all.py) on hand-computed cases."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from bench.curves import (
@@ -27,6 +28,7 @@ from bench.curves import (
     time_to_target,
     union,
     value_at,
+    values_at,
 )
 from bench.run_all import _spread, _trl
 from bench.trl_bench import (
@@ -418,6 +420,21 @@ def test_value_at_reads_between_evaluations_and_holds_the_ends():
     assert value_at(curve, 5.0) == pytest.approx(0.55)
     assert value_at(curve, 15.0) == pytest.approx(0.7)
     assert value_at(curve, -1.0) == 0.5 and value_at(curve, 25.0) == 0.8
+
+
+def test_values_at_reads_a_curve_in_one_pass_as_value_at_does():
+    """Every time of an ascending list, against `value_at` point by point: before, between
+    and after the points, on them, and across a repeated time (a vertical step)."""
+    rng = random.Random(3)
+    for _ in range(50):
+        ts = sorted(rng.uniform(0.0, 10.0) for _ in range(rng.randint(1, 12)))
+        if len(ts) > 2:
+            ts[2] = ts[1]  # two evaluations at one time
+        curve = [(t, rng.random()) for t in ts]
+        times = sorted([rng.uniform(-1.0, 11.0) for _ in range(30)] + ts)
+        assert values_at(curve, times) == [value_at(curve, t) for t in times]
+    step = [(0.0, 0.0), (5.0, 0.2), (5.0, 0.9), (10.0, 1.0)]
+    assert values_at(step, [4.0, 5.0, 7.5, 12.0]) == [0.16, 0.2, 0.95, 1.0]
 
 
 def test_mean_curve_is_exact_at_the_union_of_the_points():
