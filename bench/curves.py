@@ -87,13 +87,8 @@ def time_to_target(reference: Curve, *others: Curve,
 
 def value_at(curve: Curve, seconds: float) -> float:
     """pass@1 at `seconds` read off the straight lines between evaluations; the first point's
-    value before it, the last point's after it."""
-    if seconds <= curve[0][0]:
-        return curve[0][1]
-    for (t0, p0), (t1, p1) in pairwise(curve):
-        if seconds <= t1:
-            return p0 if t1 == t0 else p0 + (p1 - p0) * (seconds - t0) / (t1 - t0)
-    return curve[-1][1]
+    value before it, the last point's after it (`values_at` for one time)."""
+    return values_at(curve, [seconds])[0]
 
 
 def gain_curve(curve: Curve, v0: float, best: float) -> Curve:
@@ -104,8 +99,10 @@ def gain_curve(curve: Curve, v0: float, best: float) -> Curve:
 
 
 def values_at(curve: Curve, times: Sequence[float]) -> list[float]:
-    """`value_at(curve, t)` for each of the ascending `times`, in one pass over both: the
-    segment that holds a time only moves forward as the times grow."""
+    """pass@1 at each of the ascending `times`, read off the straight lines between
+    evaluations (the first point's value before it, the last point's after it; at a repeated
+    time, the first of its points), in one pass over both: the segment that holds a time only
+    moves forward as the times grow."""
     out: list[float] = []
     k = 1  # the first point at or after the time (its segment ends there)
     for t in times:

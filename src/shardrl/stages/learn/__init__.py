@@ -11,8 +11,9 @@ read and computed; at most one commit is in flight, and the learner waits for it
 next commit, before DONE.json and before it exits. The weights and optimizer state are
 serialized before the next update changes them. The thread hands all but the checkpoint to a
 child process (`learner.commit_writer`, see offload.py), whose interpreter is not the one the
-update runs on; the live doctor's checks (every `learner.doctor_every` steps) run there too. A crash can lose only the commit in flight,
-which a restart redoes from the previous progress.json, as before.
+update runs on; the live doctor's checks (every `learner.doctor_every` steps) run there too.
+A crash can lose only the commit in flight, which a restart redoes from the previous
+progress.json, as before.
 
 With `--once` (the synchronous pipeline: one learner process per round, started after the
 round's rollout, score and prepare have finished) the learner makes one step on what the round

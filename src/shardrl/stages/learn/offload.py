@@ -27,10 +27,11 @@ writes do: each reads the run's new metric chunks and runs the rules, 8-15 ms of
 the demo's size that would otherwise hold the learner's interpreter lock every
 `learner.doctor_every` steps; the doctor's state (what it read, what it reported) lives
 there. An error in the child comes back as the same exception (a `StoreUnavailable` stays
-one) and fails the commit as it would on the thread. An outage the child rides out is reported to the learner as it starts and ends, and
-the learner logs it as its own, once: the learner may be making no store call of its own
-meanwhile, waiting for this commit. The child keeps the weights of the last version it
-published (the learner keeps none), so each version crosses the pipe once. It dies with the
+one) and fails the commit as it would on the thread. An outage the child rides out is
+reported to the learner as it starts and ends, and the learner logs it as its own, once:
+the learner may be making no store call of its own meanwhile, waiting for this commit. The
+child keeps the weights of the last version it published (the learner keeps none), so each
+version crosses the pipe once. It dies with the
 learner (the kernel's parent-death signal), so the commit of a crashed learner cannot land
 after its restart has read progress.json; it exits when the learner closes it or its end of
 the pipe.
