@@ -1,5 +1,8 @@
 """Boundary schemas, schema conformance, Parquet encoding and the padding helpers."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -13,6 +16,7 @@ from shardrl.store.shards import (
     encode_shard,
     list_column_to_padded,
     padded_to_list_array,
+    read_columns,
 )
 
 SMALL = pa.schema([
@@ -110,3 +114,28 @@ def test_padded_to_list_array_inverts_padding():
     assert np.array_equal(back, padded) and lengths.tolist() == [2, 0, 1]
     with pytest.raises(ValueError):
         padded_to_list_array(padded, np.array([4, 0, 1]))
+
+
+def test_read_columns_reads_the_named_columns_without_arrow_datasets(tmp_path):
+    """The metric readers' path: only the columns asked for, in their order, and no import
+    of Arrow's dataset modules (a third of a second on the first reader's core)."""
+    table = pa.table({"stage": ["learn"] * 3, "name": ["a", "b", "a"], "step": [1, 1, 2],
+                      "value": [0.5, 1.5, 2.5], "time": [10.0, 10.0, 11.0]})
+    data = encode_shard(table, METRICS)
+    got = read_columns(data, ["value", "name"])
+    assert got.column_names == ["value", "name"]
+    assert got.column("value").to_pylist() == [0.5, 1.5, 2.5]
+    assert got.column("name").to_pylist() == ["a", "b", "a"]
+    path = tmp_path / "chunk.parquet"
+    path.write_bytes(data)
+    script = (
+        "import sys\n"
+        "from shardrl.doctor.series import read_chunk\n"
+        "from shardrl.store import LocalStore\n"
+        f"points = read_chunk(LocalStore({str(tmp_path)!r}), 'chunk.parquet')\n"
+        "assert points == [('a', 1, 0.5), ('b', 1, 1.5), ('a', 2, 2.5)], points\n"
+        "print(sorted(m for m in sys.modules if m.startswith('pyarrow.dataset')"
+        " or m.startswith('pyarrow._dataset')))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout

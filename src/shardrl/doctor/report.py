@@ -9,16 +9,14 @@ the fit. The default folder is the run's `report/` in a local store, else `repor
 from __future__ import annotations
 
 import html
-import io
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from ..store import LocalStore, RunKeys, Store, shards_by_name
+from ..store import LocalStore, RunKeys, Store, read_columns, shards_by_name
 from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
 from .fit import NotEnoughData, ScalingFit, eval_points, fit_scaling, param_count
@@ -67,8 +65,7 @@ def group_pass_rates(store: Store, keys: RunKeys, max_shards: int = MAX_SHARDS
                                                          dtype=int)]
     out = []
     for key in shard_keys:
-        t = pq.read_table(io.BytesIO(store.get_bytes(key)),
-                          columns=["group_id", "policy_version", "correct"])
+        t = read_columns(store.get_bytes(key), ["group_id", "policy_version", "correct"])
         groups: dict[str, list] = {}
         for g, v, ok in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
             groups.setdefault(g, [v, []])[1].append(bool(ok))

@@ -8,7 +8,6 @@ running counters. Non-finite values are kept: the collapse rule looks for them.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from collections import defaultdict
@@ -16,11 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.parquet as pq
 import yaml
 
 from ..config import RunConfig
-from ..store import RunKeys, Store, open_store
+from ..store import RunKeys, Store, open_store, read_columns
 from ..store.keys import metrics_writer
 
 log = logging.getLogger("shardrl.doctor")
@@ -153,7 +151,7 @@ class Metrics:
 
 def read_chunk(store: Store, key: str) -> list[Point]:
     """The points of one metrics chunk (a METRICS Parquet table)."""
-    table = pq.read_table(io.BytesIO(store.get_bytes(key)), columns=["name", "step", "value"])
+    table = read_columns(store.get_bytes(key), ["name", "step", "value"])
     return list(zip(table.column("name").to_pylist(), table.column("step").to_pylist(),
                     table.column("value").to_pylist(), strict=True))
 

@@ -23,16 +23,13 @@ steps went back) is sent as a point of its own, as every point was before.
 
 from __future__ import annotations
 
-import io
 import math
 from collections import defaultdict
 from collections.abc import Callable
 
-import pyarrow.parquet as pq
-
 from ..doctor.series import ChunkTail, reduced
 from ..graph import GENERATOR, STAGES, stage
-from ..store import RunKeys, Store
+from ..store import RunKeys, Store, read_columns
 from ..store.keys import metrics_writer
 
 TimedPoint = tuple[str, int, float, float]
@@ -148,8 +145,7 @@ class Forwarder:
         # points the forwarder before this one read and sent: below its released step
         floor = (self.settled.released.get(writer.split("/", 1)[0], -math.inf)
                  if key <= self.before.get(writer, "") else -math.inf)
-        table = pq.read_table(io.BytesIO(self.store.get_bytes(key)),
-                              columns=["name", "step", "value", "time"])
+        table = read_columns(self.store.get_bytes(key), ["name", "step", "value", "time"])
         newest = None
         for name, step, value, at in zip(*(table.column(c).to_pylist()
                                            for c in ("name", "step", "value", "time")),

@@ -27,6 +27,7 @@ from shardrl.store.shards import (
     list_column_to_padded,
     padded_to_list_array,
     quarantine,
+    read_columns,
     read_or_quarantine,
     read_shard,
     shards_by_name,
@@ -56,5 +57,6 @@ __all__ = [
     "CorruptShard", "LocalStore", "NotFound", "PermanentStoreError", "RetryPolicy", "RunKeys",
     "SchemaError", "ShardError", "ShardKey", "Store", "StoreError", "StoreUnavailable",
     "list_column_to_padded", "open_store", "padded_to_list_array", "parse_shard_key",
-    "quarantine", "read_or_quarantine", "read_shard", "shards_by_name", "write_shard",
+    "quarantine", "read_columns", "read_or_quarantine", "read_shard", "shards_by_name",
+    "write_shard",
 ]

@@ -222,9 +222,9 @@ class Learner:
         updated = self.profile.updated(started, cpu_started)
         if every_round and not applied:
             self.ledger.counts["unchanged_versions"] += 1
+        tokens = policy_tokens(kept)  # before the commit's writer thread wants the lock
         self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads)
         self.in_step = False
-        tokens = policy_tokens(kept)
         metrics.update(
             beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
             stale_dropped=float(self.ledger.counts["stale_dropped"]),
