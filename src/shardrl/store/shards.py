@@ -184,10 +184,10 @@ def read_columns(data: bytes, columns: list[str]) -> pa.Table:
     """`columns` of the Parquet file in `data`, unvalidated: for readers that take a few
     columns of many small files (metric chunks, scored shards).
 
-    Not `pq.read_table`: its first call imports Arrow's dataset modules, about a third of a
-    second of one core here, which would land on whatever process reads first (the live
-    doctor's first check, while the learner waits to commit; the MLflow forwarder in the
-    runner); and each call after costs about ten times this one on a small file."""
+    Not `pq.read_table`: its first call imports Arrow's dataset modules, 0.26-0.35 s of a
+    small core, which would land on whatever process reads first (the live doctor's first
+    check, while the learner waits to commit; the MLflow forwarder in the runner); and each
+    call after costs about ten times this one on a small file."""
     return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns, use_threads=False)
 
 
