@@ -169,26 +169,28 @@ THREADED_READ = 1 << 20
 """Bytes above which a shard's columns are decoded on Arrow's thread pool."""
 
 
-def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
-    """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
-    try:
-        # Arrow's thread pool only for large files: on a small one (a demo shard, 8 KB) it
-        # costs more than it saves (0.6 ms against 1.1 ms to read one)
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=len(data) > THREADED_READ)
-    except (pa.ArrowException, OSError) as e:
-        raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
-    return conform(table, schema)
-
-
-def read_columns(data: bytes, columns: list[str]) -> pa.Table:
-    """`columns` of the Parquet file in `data`, unvalidated: for readers that take a few
-    columns of many small files (metric chunks, scored shards).
+def read_columns(data: bytes, columns: list[str] | None = None) -> pa.Table:
+    """`columns` (None: all) of the Parquet file in `data`, unvalidated: what `decode_shard`
+    conforms, and what readers that take a few columns of many small files use (metric
+    chunks, scored shards).
 
     Not `pq.read_table`: its first call imports Arrow's dataset modules, 0.26-0.35 s of a
     small core, which would land on whatever process reads first (the live doctor's first
     check, while the learner waits to commit; the MLflow forwarder in the runner); and each
-    call after costs about ten times this one on a small file."""
-    return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns, use_threads=False)
+    call after costs about ten times this one on a small file. Arrow's thread pool only for
+    large files: on a small one (a demo shard, 8 KB) it costs more than it saves (0.6 ms
+    against 1.1 ms to read one)."""
+    return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns,
+                                                       use_threads=len(data) > THREADED_READ)
+
+
+def decode_shard(data: bytes, schema: pa.Schema) -> pa.Table:
+    """The table in Parquet bytes, conformed to `schema`; CorruptShard or SchemaError."""
+    try:
+        table = read_columns(data)
+    except (pa.ArrowException, OSError) as e:
+        raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
+    return conform(table, schema)
 
 
 def write_shard(store: Store, key: str, table: pa.Table, schema: pa.Schema) -> None:
