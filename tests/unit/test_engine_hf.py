@@ -108,6 +108,28 @@ def test_load_weights_swaps_in_place(tokenizer, tmp_path):
         engine.load_weights({"not.a.weight": torch.zeros(1)}, version=8)
 
 
+def test_load_weights_copies_every_tensor_and_checks_shapes(tokenizer):
+    engine = make_engine(tokenizer, seed=0)
+    other = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4,
+                             intermediate_size=64, max_position_embeddings=64, seed=1)
+    state = {k: t.clone() for k, t in other.state_dict().items()}
+    engine.load_weights(state, version=3)
+    mine = engine.model.state_dict()
+    assert all(torch.equal(mine[k], t) for k, t in state.items())
+    # copies, not the caller's tensors: changing them later leaves the model alone
+    next(iter(state.values())).add_(1.0)
+    assert not torch.equal(mine[next(iter(state))], next(iter(state.values())))
+    # a tensor missing from the state (not a tied one) and a wrong shape are refused
+    partial = dict(state)
+    partial.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_weights(partial, version=4)
+    wrong = dict(state, **{"model.norm.weight": torch.zeros(7)})
+    with pytest.raises(ValueError, match=r"model.norm.weight: \(7,\)"):
+        engine.load_weights(wrong, version=4)
+    assert engine.version == 3
+
+
 def fresh_engine_samples(model, prompts, **kwargs):
     """Samples of `model` through a fresh engine, to compare with the swapped one."""
     fresh = HFEngine(model, eos_token_id=model.config.eos_token_id,

@@ -226,3 +226,13 @@ def test_collecting_the_first_read_does_not_wait_for_the_ones_behind_it(tmp_path
         listed.set()
         held.set()
         buffer.close()
+
+
+def test_tally_counts_groups_and_groups_with_a_kept_row():
+    from shardrl.stages.learn.buffer import tally
+
+    key = KEYS.shard("ready", 3, 1, 7)
+    # g0: two rows kept, g1: none, g2: one of three, g3: none
+    table = ready([[True, True], [False, False], [False, True, False], [False]], version=3)
+    assert tally(key, table) == (1, 4, 2)
+    assert tally(key, ready([[False, False], [False]], version=3)) == (1, 2, 0)

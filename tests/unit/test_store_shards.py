@@ -5,9 +5,10 @@ import sys
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from shardrl.store.schemas import EVAL, METRICS, READY, ROLLOUT, SCORED
+from shardrl.store.schemas import EPISODE, EVAL, METRICS, READY, ROLLOUT, SCORED
 from shardrl.store.shards import (
     CorruptShard,
     SchemaError,
@@ -87,6 +88,50 @@ def test_encode_decode_round_trip_and_corruption():
     assert decode_shard(data, SMALL).equals(table)
     with pytest.raises(CorruptShard, match="not a readable Parquet file"):
         decode_shard(data[: len(data) // 2], SMALL)
+
+
+def one_row(schema: pa.Schema) -> dict:
+    """A value for each field of `schema`, typed loosely (ints as int64), as a writer might."""
+    def value(t: pa.DataType):
+        if pa.types.is_list(t):
+            return [value(t.value_type)]
+        if pa.types.is_boolean(t):
+            return True
+        if pa.types.is_integer(t):
+            return 3
+        if pa.types.is_floating(t):
+            return 0.5
+        return "s"
+    return {f.name: [value(f.type)] for f in schema}
+
+
+def parquet(columns: dict) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_decode_shard_reads_only_the_named_columns_and_checks_them():
+    wanted = ["keep", "policy_version", "response_token_ids"]
+    out = decode_shard(parquet(one_row(READY)), READY, wanted)
+    assert out.column_names == wanted  # in the order asked, not the file's
+    assert out.schema == pa.schema([READY.field(c) for c in wanted])  # int64 cast to int32
+    assert out.to_pylist() == [{"keep": True, "policy_version": 3, "response_token_ids": [3]}]
+    # a multi-turn shard's episode columns follow, all of them or none
+    episode = decode_shard(parquet(one_row(READY) | one_row(EPISODE)), READY, wanted)
+    assert episode.column_names == wanted + EPISODE.names
+    assert episode.schema == pa.schema([READY.field(c) for c in wanted] + list(EPISODE))
+    partial = one_row(READY) | {"policy_mask": [[1]]}
+    with pytest.raises(SchemaError, match="episode columns come together"):
+        decode_shard(parquet(partial), READY, wanted)
+    # a column asked for that the shard lacks, or one of the wrong type, is a schema error
+    lacking = {k: v for k, v in one_row(READY).items() if k != "keep"}
+    with pytest.raises(SchemaError, match=r"missing \['keep'\]"):
+        decode_shard(parquet(lacking), READY, wanted)
+    with pytest.raises(SchemaError, match="'keep' has type string"):
+        decode_shard(parquet(one_row(READY) | {"keep": ["yes"]}), READY, wanted)
+    with pytest.raises(CorruptShard):
+        decode_shard(b"PAR1 not parquet", READY, wanted)
 
 
 def test_list_column_to_padded_uses_offsets_of_chunked_and_sliced_columns():

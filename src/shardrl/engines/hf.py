@@ -163,6 +163,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.fp32_lm_head = fp32_lm_head
         self.version = version
+        self._state_targets: dict[str, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -184,17 +185,33 @@ class HFEngine:
             state_dict = {}
             for f in files:
                 state_dict.update(load_file(str(f)))
-        result = self.model.load_state_dict(state_dict, strict=False)
+        targets = self._targets()
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         if self.model.config.tie_word_embeddings:
             tied.add("lm_head.weight")
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
+        missing = [k for k in targets if k not in state_dict and k not in tied]
+        unexpected = [k for k in state_dict if k not in targets]
+        if missing or unexpected:
             raise KeyError(
-                f"weights do not match the model: missing {missing}, "
-                f"unexpected {result.unexpected_keys}"
+                f"weights do not match the model: missing {missing}, unexpected {unexpected}"
             )
+        mismatched = [f"{k}: {tuple(t.shape)} into {tuple(targets[k].shape)}"
+                      for k, t in state_dict.items() if t.shape != targets[k].shape]
+        if mismatched:
+            raise ValueError(f"weights do not match the model's shapes: {', '.join(mismatched)}")
+        with torch.no_grad():
+            for key, tensor in state_dict.items():
+                targets[key].copy_(tensor)
         self.version = version
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and persistent buffers by state-dict name, the tensors the
+        weights are copied into. Built once: `Module.load_state_dict` walks every module and
+        its hooks on each call, several times what copying a small model's tensors costs,
+        and a rollout worker loads every published version."""
+        if self._state_targets is None:
+            self._state_targets = dict(self.model.state_dict(keep_vars=True))
+        return self._state_targets
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (B, H) -> logits (B, V), float32 (head in float32 when `fp32_lm_head`)."""

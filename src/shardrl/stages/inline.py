@@ -32,9 +32,10 @@ from .score import Scorer
 
 
 def kept_groups(ready: pa.Table) -> int:
-    """Prompt groups of a ready shard with at least one row kept by filtering."""
-    kept = ready.filter(ready.column("keep"))
-    return len(pc.unique(kept.column("group_id"))) if len(kept) else 0
+    """Prompt groups of a ready shard with at least one row kept by filtering (the group
+    ids of the kept rows alone: filtering the whole table copies every column)."""
+    ids = pc.filter(ready.column("group_id"), ready.column("keep"))
+    return len(pc.unique(ids)) if len(ids) else 0
 
 
 class InlinePostprocess:

@@ -28,6 +28,14 @@ from .profile import Profile
 Batch = list[tuple[str, pa.Table, str]]
 """(key, table, outcome) of the shards one commit records: "admitted" or "stale"."""
 
+COLUMNS = ["group_id", "policy_version", "prompt_token_ids", "response_token_ids",
+           "behavior_logprobs", "ref_logprobs", "reward_total", "correct", "advantage", "keep",
+           "created_at"]
+"""The ready-shard columns the learner uses (the update's, the ledger's and the batching
+rule's, the hop and run-end checks'), the only ones it decodes (`decode_shard`); a
+multi-turn shard's episode columns come after them. The text columns are for people and
+the doctor."""
+
 
 def tally(key: str, table: pa.Table) -> tuple[int, int, int]:
     """(rollout worker, prompt groups, groups kept by filtering) of the ready shard at `key`."""
@@ -100,7 +108,7 @@ class ReadyBuffer:
     def _read(self, key: str) -> tuple[pa.Table | None, tuple[int, int, int] | None]:
         """A ready shard and its tally (worker, prompt groups, groups kept by filtering),
         counted here on the reader thread; (None, None) once it is quarantined."""
-        table = read_or_quarantine(self.ctx.store, key, READY, "learn")
+        table = read_or_quarantine(self.ctx.store, key, READY, "learn", COLUMNS)
         if table is None:
             return None, None
         return table, tally(key, table)

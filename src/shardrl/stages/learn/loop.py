@@ -26,7 +26,7 @@ from ..scan import Scanner
 from ..staleness import effective_k
 from ..update import checkpoint_activations, update_loss
 from . import ranks
-from .buffer import Batch, ReadyBuffer
+from .buffer import COLUMNS, Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
 from .offload import Check, CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
@@ -344,7 +344,7 @@ class Learner:
     def follow(self) -> int:
         """A non-leader rank: run each step the leader broadcasts, until the empty plan."""
         while (plan := ranks.Plan.receive(self.backend)) is not None:
-            table = pa.concat_tables([read_shard(self.ctx.store, key, READY)
+            table = pa.concat_tables([read_shard(self.ctx.store, key, READY, COLUMNS)
                                       for key in plan.shards])
             self.version = plan.version
             applied, _ = self.update(table.filter(table.column("keep")), plan.beta)

@@ -41,7 +41,7 @@ from ...store.shards import read_shard
 from ..checkpoint import latest_checkpoint
 from ..context import MetricsSink, StageContext
 from ..policy import MANIFEST, fetch_weights, point_latest
-from .buffer import Batch
+from .buffer import COLUMNS, Batch
 
 log = logging.getLogger("shardrl.replay")
 
@@ -179,7 +179,7 @@ class Replay:
         """Repeat one recorded commit; False when the replay departs from the record."""
         if delta.restart is not None and not self._restart(learner, delta):
             return False
-        batch: Batch = [(e.key, read_shard(self.store, e.key, READY), e.outcome)
+        batch: Batch = [(e.key, read_shard(self.store, e.key, READY, COLUMNS), e.outcome)
                         for e in delta.shards]
         if any(outcome == "admitted" for _, _, outcome in batch):
             at = learner.version
