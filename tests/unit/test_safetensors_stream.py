@@ -15,7 +15,7 @@ from safetensors.torch import save as st_save
 from shardrl.learner_backends.base import Loan
 from shardrl.models import io as model_io
 from shardrl.models.io import safetensors_size, write_safetensors
-from shardrl.stages.checkpoint import CheckpointFiles, latest_checkpoint, save_checkpoint
+from shardrl.stages.checkpoint import CheckpointFiles, latest_checkpoint, release, save_checkpoint
 from shardrl.store import LocalStore, RunKeys
 
 
@@ -183,3 +183,47 @@ def test_a_commit_that_fails_before_its_checkpoint_returns_the_loan(tmp_path, wh
     assert files.loan.is_done
     assert latest_checkpoint(store, keys) is None
 
+
+
+@pytest.mark.parametrize("lend", [False, True])
+def test_gather_lends_the_published_weights_only_when_asked(lend):
+    from shardrl.learner_backends.base import OptimSettings
+    from shardrl.learner_backends.torch_backend import TorchLearnerBackend
+    from shardrl.stages.learn import ranks
+
+    lm = torch.nn.Linear(3, 2)
+    lm.config = None
+    backend = TorchLearnerBackend(lm, OptimSettings(lr=0.1, betas=(0.9, 0.99), weight_decay=0.0,
+                                                    grad_clip=None))
+    x = torch.randn(4, 3)
+    weights, files = ranks.gather(backend, lm, leader=True, checkpoint_due=False,
+                                  dtype=torch.float32, lend_weights=lend)
+    assert not files  # no checkpoint due
+    assert torch.equal(weights["weight"], lm.weight.detach())
+    assert (weights["weight"].data_ptr() == lm.weight.data_ptr()) == lend
+    assert (files.loan is not None) == lend
+    before = weights["weight"].clone()
+    stepped = threading.Event()
+
+    def step() -> None:
+        backend.step(lm(x).square().sum())
+        stepped.set()
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    try:
+        if lend:  # the lent weights stay as published until the writer is done with them
+            assert not stepped.wait(0.5)
+            assert torch.equal(weights["weight"], before)
+    finally:
+        release(files)
+    thread.join(30)
+    assert stepped.is_set()
+    # lent: the model's own tensor, changed by the step; copied: the published values kept
+    assert torch.equal(weights["weight"], before) != lend
+    # published in a narrower dtype the weights are a cast, a copy: nothing to lend
+    narrow, files = ranks.gather(backend, lm, leader=True, checkpoint_due=False,
+                                 dtype=torch.bfloat16, lend_weights=lend)
+    release(files)
+    assert narrow["weight"].dtype == torch.bfloat16
+    assert narrow["weight"].data_ptr() != lm.weight.data_ptr()

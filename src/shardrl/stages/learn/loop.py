@@ -317,7 +317,8 @@ class Learner:
         # the published (merged) weights, so they are checkpointed with every version
         due = (self.version % self.cfg.learner.ckpt_every == 0 or self.ctx.once
                or self.cfg.learner.lora is not None)
-        return ranks.gather(self.backend, self.model, self.leader, due, self.dtype)
+        return ranks.gather(self.backend, self.model, self.leader, due, self.dtype,
+                            lend_weights=isinstance(self.commits, CommitProcess))
 
     def commit(self, batch: Batch, stepped: bool, beta: float | None = None,
                threads: list[int] = ()) -> None:

@@ -45,7 +45,7 @@ State = dict[str, torch.Tensor]
 
 
 def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: torch.dtype,
-           ) -> tuple[State | None, dict[str, State]]:
+           lend_weights: bool = False) -> tuple[State | None, dict[str, State]]:
     """The collective part of an applied step's commit, on every rank in the same order.
 
     The full weights are gathered and copied in the publish `dtype`; when a checkpoint is
@@ -57,12 +57,18 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
     written them (`CheckpointFiles.loan`); elsewhere every tensor is a copy. Returns
     (weights, checkpoint files as name -> tensors) for the leader to write; (None, {}) on the
     other ranks.
+
+    With `lend_weights` (a writer that keeps no reference to them once written: the commit
+    child, which receives their bytes) the published weights are lent too, where they need
+    no cast, instead of copied: a copy on the step's path that the writer then serializes
+    anyway. The loan, the checkpoint's if one is due, rides on the files.
     """
     weights, files = None, CheckpointFiles()
     live = checkpoint_due and leader and backend.lends_state
+    live_weights = lend_weights and leader and backend.lends_state and not has_lora(model)
     with backend.gathered():
         if leader:
-            weights = publish_state(model, dtype)
+            weights = publish_state(model, dtype, copy=not live_weights)
             if checkpoint_due and dtype != torch.float32 and not has_lora(model):
                 files[MASTERS] = publish_state(model, torch.float32, copy=not live)
     if checkpoint_due:
@@ -74,6 +80,6 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
                           if leader else {})
             files[CRITIC] = critic
         files[BACKEND_STATE] = state if leader else {}
-        if live:
-            files.loan = backend.lend()
+    if live or live_weights:
+        files.loan = backend.lend()
     return (weights, files) if leader else (None, {})
