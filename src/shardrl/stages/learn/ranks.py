@@ -59,13 +59,16 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
     other ranks.
 
     With `lend_weights` (a writer that keeps no reference to them once written: the commit
-    child, which receives their bytes) the published weights are lent too, where they need
-    no cast, instead of copied: a copy on the step's path that the writer then serializes
-    anyway. The loan, the checkpoint's if one is due, rides on the files.
+    child, which receives their bytes) the published weights are lent too when the model
+    trains in the publish dtype, instead of copied: a copy on the step's path that the writer
+    then serializes anyway. The loan, the checkpoint's if one is due, rides on the files; a
+    cast publish (a narrower dtype) is a copy and lends nothing, so the next update does not
+    wait for its writes.
     """
     weights, files = None, CheckpointFiles()
     live = checkpoint_due and leader and backend.lends_state
-    live_weights = lend_weights and leader and backend.lends_state and not has_lora(model)
+    live_weights = (lend_weights and leader and backend.lends_state
+                    and next(model.parameters()).dtype == dtype and not has_lora(model))
     with backend.gathered():
         if leader:
             weights = publish_state(model, dtype, copy=not live_weights)
