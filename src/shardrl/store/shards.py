@@ -102,15 +102,18 @@ def _cast_column(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
     return cast
 
 
-def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+def conform(table: pa.Table, schema: pa.Schema, episodic: bool | None = None) -> pa.Table:
     """`table` with exactly `schema`: same column names and order, types cast safely.
 
     Raises SchemaError naming the missing, unexpected or mistyped columns, or a
-    non-nullable column that holds nulls. A shard schema from rollout on also takes the
-    `EPISODE` columns, all or none, wherever they are: they come back after its own.
+    non-nullable column that holds nulls. A shard schema from rollout on (or any schema,
+    with `episodic`: some of such a shard's columns) also takes the `EPISODE` columns, all
+    or none, wherever they are: they come back after its own.
     """
+    if episodic is None:
+        episodic = schema.names[: len(ROLLOUT)] == ROLLOUT.names
     present = [n for n in EPISODE.names if n in table.column_names]
-    if present and schema.names[: len(ROLLOUT)] == ROLLOUT.names:
+    if present and episodic:
         if len(present) < len(EPISODE):
             missing = [n for n in EPISODE.names if n not in present]
             raise SchemaError(f"episode columns come together: missing {missing}")
@@ -208,16 +211,7 @@ def decode_shard(data: bytes, schema: pa.Schema, columns: list[str] | None = Non
         raise CorruptShard(f"not a readable Parquet file ({len(data)} bytes): {e}") from e
     if columns is None:
         return conform(table, schema)
-    base = conform(table.select(columns), pa.schema([schema.field(c) for c in columns]))
-    episode = table.column_names[len(columns):]
-    if not episode:
-        return base
-    if len(episode) < len(EPISODE):
-        raise SchemaError("episode columns come together: missing "
-                          f"{[n for n in EPISODE.names if n not in episode]}")
-    extra = conform(table.select(EPISODE.names), EPISODE)
-    return pa.Table.from_arrays(base.columns + extra.columns,
-                                schema=pa.schema(list(base.schema) + list(EPISODE)))
+    return conform(table, pa.schema([schema.field(c) for c in columns]), episodic=True)
 
 
 def write_shard(store: Store, key: str, table: pa.Table, schema: pa.Schema) -> None:
