@@ -51,15 +51,43 @@ def test_stages_share_cores_unless_pinned(tmp_path):
     assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]
 
 
+PROBE = ("import os; os.write(1, ' '.join(map(str, (os.nice(0), os.getsid(0), os.getpgid(0),"
+         " os.getpid()))).encode())")  # to the descriptor: the log, in a forked child too
+
+
+def probed(proc) -> tuple[int, int, int, int]:
+    """(niceness, session, process group, pid) the stage's probe printed last."""
+    nice, sid, pgid, pid = map(int, proc.log.read_text().split()[-4:])
+    return nice, sid, pgid, pid
+
+
 def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monkeypatch):
-    run = local_run(tmp_path, [])
+    """Each stage runs at its niceness in a process group of its own (which stopping it
+    signals) but in the runner's session: with autogroup scheduling every session gets an
+    equal share of the CPU and niceness weighs only within one, so stages in sessions of
+    their own would ignore it."""
+    run = local_run(tmp_path, ["pipeline.local.fork=false"])
     assert run.cfg.pipeline.local.nice == {"rollout": 5, "evaluate": 10}
-    probe = [sys.executable, "-c", "import os; print(os.nice(0))"]
-    monkeypatch.setattr(run, "command", lambda name, worker: probe)
+    monkeypatch.setattr(run, "command", lambda name, worker: [sys.executable, "-c", PROBE])
     base = os.nice(0)
     for name, more in (("rollout", 5), ("evaluate", 10), ("learn", 0)):
         proc = run.start(name)
         assert proc.popen.wait(timeout=30) == 0
-        assert int(proc.log.read_text().split()[-1]) == min(base + more, 19), name
+        nice, sid, pgid, pid = probed(proc)
+        assert nice == min(base + more, 19), name
+        assert (sid, pgid, pid) == (os.getsid(0), proc.popen.pid, proc.popen.pid), name
+
+
+def test_a_forked_stage_keeps_the_runners_session(tmp_path, monkeypatch):
+    """The same placement for a stage forked from the runner (`pipeline.local.fork`)."""
+    import shardrl.cli
+
+    run = local_run(tmp_path, ["pipeline.local.fork=true"])
+    monkeypatch.setattr(shardrl.cli, "main", lambda argv: exec(PROBE) or 0)  # runs in the child
+    proc = run.start("rollout")
+    assert proc.popen.wait(timeout=30) == 0
+    nice, sid, pgid, pid = probed(proc)
+    assert nice == min(os.nice(0) + 5, 19)
+    assert (sid, pgid, pid) == (os.getsid(0), proc.popen.pid, proc.popen.pid)
     with pytest.raises(ValueError, match="niceness from 0 to 19"):
         load_config("demo", ["pipeline.local.nice={rollout: 20}"])

@@ -4,7 +4,8 @@ A fresh interpreter per stage imports torch, transformers and the stage's module
 about 4-5 s of CPU each; on a small machine five stages starting together pay that on shared
 cores before the first step. The runner instead imports the stage modules once (`warm`),
 before any stage starts, and forks a child per stage replica. Each child takes its own
-session, log file, environment and CPU affinity, names itself `stage:NAME`
+process group (in the runner's session: see `LocalRun.start`), log file, environment and
+CPU affinity, names itself `stage:NAME`
 (`/proc/PID/comm`), and runs the same `shardrl stage ...` command line in-process.
 
 Forking is safe here because the runner runs torch operations only on one thread (so it
@@ -106,7 +107,7 @@ def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
         return Forked(pid, argv)
     code = 1
     try:
-        os.setsid()
+        os.setpgid(0, 0)  # a group of its own, in the runner's session (`LocalRun.start`)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         child_setup()

@@ -91,6 +91,14 @@ class LocalRun:
         return env, None
 
     def start(self, name: str, worker: int = 0) -> Proc:
+        """Start one replica of stage `name` in a process group of its own (so that stopping
+        it reaches its children), inside the runner's session.
+
+        Not a session of its own: Linux's autogroup scheduling (on by default in most
+        distributions' kernels) gives every session one equal share of the CPU and applies
+        niceness only between the tasks of one session, so stages in sessions of their own
+        would share the cores equally whatever `pipeline.local.nice` says.
+        """
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")
         env, cpus = self.placement(name)
         nice = self.cfg.pipeline.local.nice.get(name, 0)
@@ -109,7 +117,7 @@ class LocalRun:
             return Proc(name, worker, fork_stage(command[3:], log, env, name, preexec), log)
         with open(log, "a") as handle:  # the child keeps its own copy of the descriptor
             popen = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **env), start_new_session=True,
+                                     env=dict(os.environ, **env), process_group=0,
                                      preexec_fn=preexec)
         return Proc(name, worker, popen, log)
 
