@@ -51,8 +51,24 @@ def test_stages_share_cores_unless_pinned(tmp_path):
     assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]
 
 
-PROBE = ("import os; os.write(1, ' '.join(map(str, (os.nice(0), os.getsid(0), os.getpgid(0),"
-         " os.getpid()))).encode())")  # to the descriptor: the log, in a forked child too
+PROBE = ("import os; assert os.read(0, 1) == b''; os.write(1, ' '.join(map(str, ("
+         "os.nice(0), os.getsid(0), os.getpgid(0), os.getpid()))).encode())")
+"""Writes to descriptor 1 (the log, in a forked child too) once descriptor 0 read nothing."""
+
+
+@pytest.fixture
+def runner_stdin_with_input():
+    """The runner's descriptor 0 with input waiting: a stage that inherited it would read it."""
+    read, write = os.pipe()
+    os.write(write, b"typed at the runner's terminal\n")
+    saved = os.dup(0)
+    os.dup2(read, 0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read, write):
+            os.close(fd)
 
 
 def probed(proc) -> tuple[int, int, int, int]:
@@ -61,11 +77,13 @@ def probed(proc) -> tuple[int, int, int, int]:
     return nice, sid, pgid, pid
 
 
-def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monkeypatch):
+def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monkeypatch,
+                                                                   runner_stdin_with_input):
     """Each stage runs at its niceness in a process group of its own (which stopping it
     signals) but in the runner's session: with autogroup scheduling every session gets an
     equal share of the CPU and niceness weighs only within one, so stages in sessions of
-    their own would ignore it."""
+    their own would ignore it. Its standard input is empty, not the runner's (a background
+    group reading the terminal would be stopped)."""
     run = local_run(tmp_path, ["pipeline.local.fork=false"])
     assert run.cfg.pipeline.local.nice == {"rollout": 5, "evaluate": 10}
     monkeypatch.setattr(run, "command", lambda name, worker: [sys.executable, "-c", PROBE])
@@ -78,7 +96,8 @@ def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monk
         assert (sid, pgid, pid) == (os.getsid(0), proc.popen.pid, proc.popen.pid), name
 
 
-def test_a_forked_stage_keeps_the_runners_session(tmp_path, monkeypatch):
+def test_a_forked_stage_keeps_the_runners_session(tmp_path, monkeypatch,
+                                                  runner_stdin_with_input):
     """The same placement for a stage forked from the runner (`pipeline.local.fork`)."""
     import shardrl.cli
 

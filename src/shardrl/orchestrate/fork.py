@@ -115,6 +115,9 @@ def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        fd = os.open(os.devnull, os.O_RDONLY)  # a read of the runner's terminal would stop it
+        os.dup2(fd, 0)
+        os.close(fd)
         os.environ.update(env)
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.prctl(_PR_SET_NAME, process_title(name).encode(), 0, 0, 0)

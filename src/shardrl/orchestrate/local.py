@@ -92,7 +92,8 @@ class LocalRun:
 
     def start(self, name: str, worker: int = 0) -> Proc:
         """Start one replica of stage `name` in a process group of its own (so that stopping
-        it reaches its children), inside the runner's session.
+        it reaches its children), inside the runner's session, reading nothing from the
+        runner's terminal (a background group that read it would be stopped).
 
         Not a session of its own: Linux's autogroup scheduling (on by default in most
         distributions' kernels) gives every session one equal share of the CPU and applies
@@ -116,9 +117,9 @@ class LocalRun:
         if self.cfg.pipeline.local.fork and command[2] == "shardrl.cli":
             return Proc(name, worker, fork_stage(command[3:], log, env, name, preexec), log)
         with open(log, "a") as handle:  # the child keeps its own copy of the descriptor
-            popen = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **env), process_group=0,
-                                     preexec_fn=preexec)
+            popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=handle,
+                                     stderr=subprocess.STDOUT, env=dict(os.environ, **env),
+                                     process_group=0, preexec_fn=preexec)
         return Proc(name, worker, popen, log)
 
     def run_once(self, name: str) -> int:
