@@ -73,8 +73,7 @@ def runner_stdin_with_input():
 
 def probed(proc) -> tuple[int, int, int, int]:
     """(niceness, session, process group, pid) the stage's probe printed last."""
-    nice, sid, pgid, pid = map(int, proc.log.read_text().split()[-4:])
-    return nice, sid, pgid, pid
+    return tuple(map(int, proc.log.read_text().split()[-4:]))
 
 
 def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monkeypatch,
@@ -94,6 +93,8 @@ def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monk
         nice, sid, pgid, pid = probed(proc)
         assert nice == min(base + more, 19), name
         assert (sid, pgid, pid) == (os.getsid(0), proc.popen.pid, proc.popen.pid), name
+    with pytest.raises(ValueError, match="niceness from 0 to 19"):
+        load_config("demo", ["pipeline.local.nice={rollout: 20}"])
 
 
 def test_a_forked_stage_keeps_the_runners_session(tmp_path, monkeypatch,
@@ -108,5 +109,3 @@ def test_a_forked_stage_keeps_the_runners_session(tmp_path, monkeypatch,
     nice, sid, pgid, pid = probed(proc)
     assert nice == min(os.nice(0) + 5, 19)
     assert (sid, pgid, pid) == (os.getsid(0), proc.popen.pid, proc.popen.pid)
-    with pytest.raises(ValueError, match="niceness from 0 to 19"):
-        load_config("demo", ["pipeline.local.nice={rollout: 20}"])
