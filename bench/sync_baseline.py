@@ -32,8 +32,10 @@ baseline is on-policy (every sample is from the current weights).
 
 Its clock starts once torch, transformers and the library are imported, their first-call
 costs paid and the task built, as ShardRL's runner does before its stages start
-(`before_clock`; `--clock-start`, epoch seconds, sets another start; model loading counts,
-as ShardRL's stage start-up does)
+(`before_clock`) and the snapshot's model and tokenizer are loaded (`load_snapshot`), as
+ShardRL's stages load policy v0 while its snapshot stage still evaluates it; `--clock-start`,
+epoch seconds, sets another start. Everything after counts (the engine, the optimizer, the
+first step), as ShardRL's stage start-up after its snapshot does)
 and is paused while held-out pass@1 is measured: `bench.demo_control.heldout_pass`, the
 function, engine and sampling seed the TRL side is evaluated with, on all held-out prompts;
 at t=0 (the snapshot), every `budget / eval_points` seconds of clock, and when the budget is
@@ -115,7 +117,10 @@ def check_supported(cfg) -> None:
 class SyncTrainer:
     """The pieces of one synchronous run, and its counters."""
 
-    def __init__(self, cfg, snapshot: Path, threads: int | None = None) -> None:
+    def __init__(self, cfg, snapshot: Path, threads: int | None = None,
+                 loaded: tuple | None = None) -> None:
+        """`loaded`: the snapshot's (model, tokenizer), loaded before the clock started
+        (`load_snapshot`); None: loaded here."""
         import torch
 
         from shardrl.algo import PassRateTracker, RunningMoments
@@ -132,7 +137,7 @@ class SyncTrainer:
         torch.set_num_threads(self.threads)
         self.cfg = cfg
         self.task = make_task(cfg)
-        self.model, self.tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
+        self.model, self.tokenizer = loaded or (load_causal_lm(snapshot), load_tokenizer(snapshot))
         checkpoint_activations(cfg, self.model)  # as the learner trains, if configured
         self.prompt_format = PromptFormat.from_config(cfg)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
@@ -367,6 +372,15 @@ def before_clock(cfg) -> None:
     warm(cfg)
 
 
+def load_snapshot(snapshot: Path) -> tuple:
+    """The snapshot's (model, tokenizer), loaded before a peer's clock starts, as ShardRL's
+    rollout workers and learner load policy v0 while the snapshot stage still evaluates it,
+    before its clock starts (`StageContext.preload_policy`)."""
+    from shardrl.models.io import load_causal_lm, load_tokenizer
+
+    return load_causal_lm(snapshot), load_tokenizer(snapshot)
+
+
 def weight_copy(model) -> dict:
     """The model's weights, copied (what `--eval-after` keeps at each evaluation point)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -385,8 +399,9 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
 
     cfg = load_config(config, overrides)
     before_clock(cfg)
+    loaded = load_snapshot(snapshot)
     clock = PausableClock(time.time() if clock_start is None else clock_start)
-    trainer = SyncTrainer(cfg, snapshot, threads)
+    trainer = SyncTrainer(cfg, snapshot, threads, loaded)
 
     def evaluate() -> float:
         value = heldout_pass(trainer.model, trainer.tokenizer, cfg, trainer.task)

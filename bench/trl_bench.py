@@ -37,11 +37,13 @@ evaluates version 0 before it publishes it, so that evaluation is off ShardRL's 
 peers' evaluation at t=0 is off theirs.
 Its stages are forked from a runner that imported their libraries, paid their first-call
 costs on a throwaway model and built the task before the snapshot, and they start while the
-snapshot runs; loading the policy, the first shards and the first step count, importing torch
-and transformers does not. TRL and the baseline run in fresh processes whose clocks start once
-those libraries (and TRL) are imported and the same warm-up and task building are done
-(`sync_baseline.before_clock`): loading the model and setting up the trainer count, as for
-ShardRL.
+snapshot runs. The rollout workers and the learner load policy v0 as soon as the snapshot
+has uploaded it, while it evaluates v0 (when that evaluation is the shorter, the rest of the
+load counts); the engine, the optimizer, the first shards and the first step count,
+importing torch and transformers does not. TRL and the baseline run in fresh processes whose
+clocks start once those libraries (and TRL) are imported, the same warm-up and task building
+are done (`sync_baseline.before_clock`) and the snapshot's model and tokenizer are loaded
+(`sync_baseline.load_snapshot`): setting up the trainer counts, as for ShardRL.
 
 Repeat r runs with `seed` = the config's seed + r on all sides (the SFT snapshot, the
 prompt streams, sampling and initialisation), so the repeats are independent samples of each
@@ -623,15 +625,15 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     from trl import GRPOConfig, GRPOTrainer
 
     from bench.demo_control import heldout_pass
-    from bench.sync_baseline import before_clock
+    from bench.sync_baseline import before_clock, load_snapshot
     from shardrl.algo import lr_schedule
     from shardrl.config import load_config
-    from shardrl.models.io import load_causal_lm, load_tokenizer
     from shardrl.tasks.prompts import PromptFormat
     from shardrl.tasks.source import make_task
 
     cfg = load_config(config, overrides)
     before_clock(cfg)
+    model, tokenizer = load_snapshot(snapshot)
     clock_start = time.time() if clock_start is None else clock_start
     torch.set_num_threads(os.cpu_count() or 1)
     task, lc, ro = make_task(cfg), cfg.learner, cfg.rollout
@@ -639,7 +641,6 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
     # 32x the prompts ShardRL's learner takes: TRL, faster per step, also sees fresh prompts
     shards = 32 * lc.total_steps * lc.batch_prompts // ro.prompts_per_shard
     items = [it for s in range(shards) for it in task.train_items(0, s, ro.prompts_per_shard)]
-    model, tokenizer = load_causal_lm(snapshot), load_tokenizer(snapshot)
     # prompts as ShardRL's rollout formats them (`task.prompt_format`): with `chat` TRL gets
     # the templated text, a plain-text prompt it does not template again
     fmt = PromptFormat.from_config(cfg)

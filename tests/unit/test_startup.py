@@ -170,7 +170,13 @@ def test_every_looping_stage_waits_for_the_run_before_it_reads_it(tmp_path, monk
     def awaited(self):
         raise RunAwaited(self.stage)
 
+    preloaded: list[str] = []
+
+    def preload(self):  # policy v0 may load first (its own test below): nothing else may
+        preloaded.append(self.stage)
+
     monkeypatch.setattr(StageContext, "wait_for_run", awaited)
+    monkeypatch.setattr(StageContext, "preload_policy", preload)
     looping = [s for s in STAGES if s.loops]
     assert {s.name for s in looping} >= {"rollout", "score", "prepare", "learn", "evaluate"}
     for spec in looping:
@@ -184,6 +190,81 @@ def test_every_looping_stage_waits_for_the_run_before_it_reads_it(tmp_path, monk
             monkeypatch.setattr(ctx.store, name, early)
         with pytest.raises(RunAwaited, match=f"^{spec.name}$"):
             importlib.import_module(spec.module).main(ctx)
+    assert sorted(preloaded) == ["learn", "rollout"]  # the stages that train or sample v0
+
+
+def publish_v0(tmp_path: Path, store: LocalStore, keys: RunKeys, seed: int) -> dict:
+    """A tiny policy v0 uploaded as the snapshot uploads it (manifest last); its weights."""
+    from shardrl.models.io import save_model
+    from shardrl.models.tiny import build_tiny_model, train_tokenizer
+    from shardrl.stages.snapshot import _upload
+
+    folder = tmp_path / f"v0-{seed}"
+    tokenizer = train_tokenizer(["abcdefghij"], folder / "tok")
+    model = build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                             intermediate_size=32, max_position_embeddings=32, seed=seed)
+    save_model(model, tokenizer, folder / "model")
+    _upload(store, keys.policy_prefix(0), folder / "model")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_weights(model, weights: dict) -> bool:
+    import torch
+
+    return all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_a_stage_loads_policy_v0_while_the_snapshot_still_evaluates_it(tmp_path):
+    """The snapshot uploads v0, evaluates it, then writes run.json: a stage started before
+    loads v0 as soon as its manifest is there, and takes that model once the run exists."""
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ctx.preload_policy()), daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not got  # no v0 yet: waiting
+    weights = publish_v0(tmp_path, store, keys, seed=0)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    base = got[0]
+    assert not store.exists(keys.run_json())  # loaded before the run exists
+    early = base.loaded[0]
+    assert same_weights(early, weights)
+    store.put_json(keys.run_json(), {"run_id": "r1"})
+    model, tokenizer = base.take()
+    assert model is early  # not loaded twice
+    assert tokenizer.decode(tokenizer("abc")["input_ids"], skip_special_tokens=True) == "abc"
+    assert base.loaded is None  # handed over, not kept
+
+
+def test_a_v0_published_again_before_run_json_is_loaded_again(tmp_path):
+    """A snapshot restarted before run.json uploads v0 again, maybe with other weights: the
+    model loaded early from the first upload is not used."""
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    first = publish_v0(tmp_path, store, keys, seed=0)
+    base = ctx.preload_policy()
+    early = base.loaded[0]
+    assert same_weights(early, first)
+    second = publish_v0(tmp_path, store, keys, seed=1)
+    assert not same_weights(early, second)
+    store.put_json(keys.run_json(), {"run_id": "r1"})
+    model, _ = base.take()
+    assert model is not early
+    assert same_weights(model, second)
+
+
+def test_a_stage_that_starts_after_the_snapshot_loads_v0_as_before(tmp_path):
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    weights = publish_v0(tmp_path, store, keys, seed=0)
+    store.put_json(keys.run_json(), {"run_id": "r1"})
+    base = ctx.preload_policy()
+    assert base.loaded is None  # nothing early: the run was there
+    model, _ = base.take()
+    assert same_weights(model, weights)
 
 
 def test_the_watches_a_stage_waited_on_at_start_stay_open_until_it_ends(tmp_path):

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import yaml
@@ -24,6 +25,9 @@ from ..store.base import RetryPolicy
 from ..store.records import Aborted, PolicyPointer
 from ..store.schemas import METRICS
 from .cores import CoreShare
+
+if TYPE_CHECKING:
+    from .policy import BasePolicy
 
 ABORT_CHECK_S = 5.0
 """Longest time between two looks for the abort marker in a looping stage."""
@@ -152,6 +156,23 @@ class StageContext:
                 watch.wait(1.0)
         finally:
             self.retire(watch)
+
+    def preload_policy(self) -> BasePolicy:
+        """Policy v0, loaded as soon as the snapshot has uploaded it (`policy.BasePolicy`):
+        call before `wait_for_run`, then `take()` the model and tokenizer once the run
+        exists."""
+        from .policy import BasePolicy
+
+        base = BasePolicy(self.store, self.keys, self.cache_dir())
+        if not base.ready():
+            watch = self.store.watch(self.keys.root, depth=2)  # root, policy/, policy/v000000/
+            try:
+                while not base.ready():
+                    watch.wait(1.0)
+            finally:
+                self.retire(watch)
+        base.preload()
+        return base
 
     def latest_version(self) -> int | None:
         """The newest published policy version, or None before the snapshot finished."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..engines.hf import HFEngine
 from ..tasks.prompts import PromptFormat
 from .context import StageContext
-from .policy import PolicyWeights, load_policy
+from .policy import BasePolicy, PolicyWeights, load_policy
 
 
 class PolicyEngine:
@@ -15,9 +15,11 @@ class PolicyEngine:
     version reads only the deltas since, or the newest full snapshot when one of them is gone.
     """
 
-    def __init__(self, ctx: StageContext, version: int) -> None:
+    def __init__(self, ctx: StageContext, version: int, base: BasePolicy | None = None) -> None:
+        """`base`: v0 loaded early (`StageContext.preload_policy`); None: loaded here."""
         self.ctx = ctx
-        model, self.tokenizer = load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir())
+        model, self.tokenizer = (base.take() if base is not None
+                                 else load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir()))
         self.weights = PolicyWeights()
         self.prompt_format = PromptFormat.from_config(ctx.cfg)
         self.prompt_format.check(self.tokenizer)

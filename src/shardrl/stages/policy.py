@@ -251,6 +251,47 @@ def load_policy(store: Store, keys: RunKeys, version: int, cache: Path, dtype=to
     return model, load_tokenizer(base)
 
 
+class BasePolicy:
+    """Policy v0's model and tokenizer for a stage that may start before the run exists.
+
+    The snapshot uploads v0's folder (its manifest last), evaluates v0, and only then writes
+    `policy/LATEST.json` and run.json. A stage the local runner started during the snapshot
+    loads v0 as soon as its manifest is there (`preload`), while the snapshot evaluates it,
+    instead of after run.json, where the load would delay the run's first shards and step.
+    `take`, called once the run exists, hands that model over if v0's manifest is still the
+    one it loaded (a snapshot restarted before writing run.json publishes v0 again, maybe
+    with other bytes), and loads v0 otherwise."""
+
+    def __init__(self, store: Store, keys: RunKeys, cache: Path) -> None:
+        self.store, self.keys, self.cache = store, keys, cache
+        self.manifest: dict[str, str] | None = None
+        """v0's manifest as read before the early load (None: nothing loaded early)."""
+        self.loaded: tuple | None = None
+
+    def ready(self) -> bool:
+        """Whether v0 can be loaded now: its folder is complete (or the run exists)."""
+        return (self.store.exists(self.keys.policy_prefix(0) + MANIFEST)
+                or self.store.exists(self.keys.run_json()))
+
+    def preload(self) -> None:
+        """Load v0 now, unless the run already exists (then `take` loads it as before).
+        Call once `ready`."""
+        if self.store.exists(self.keys.run_json()):
+            return
+        self.manifest = self._manifest()
+        self.loaded = load_policy(self.store, self.keys, 0, self.cache)
+
+    def take(self):
+        """(model, tokenizer) of v0, once the run exists."""
+        loaded, self.loaded = self.loaded, None
+        if loaded is not None and self._manifest() == self.manifest:
+            return loaded
+        return load_policy(self.store, self.keys, 0, self.cache)
+
+    def _manifest(self) -> dict[str, str]:
+        return self.store.get_json(self.keys.policy_prefix(0) + MANIFEST)["files"]
+
+
 def load_reference(store: Store, keys: RunKeys, cache: Path, dtype=torch.float32):
     """(model, tokenizer) of the frozen reference."""
     folder = download_folder(store, keys.ref_prefix(), cache / "ref")

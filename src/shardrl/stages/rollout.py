@@ -38,6 +38,7 @@ def main(ctx: StageContext) -> int:
     cfg, keys, store = ctx.cfg, ctx.keys, ctx.store
     rc = cfg.rollout
     task = make_task(cfg)
+    base = ctx.preload_policy()  # while the snapshot evaluates v0, if it still runs
     ctx.wait_for_run()
     state_key = keys.worker_state(ctx.worker)
     state = WorkerState.read(store, state_key)
@@ -49,7 +50,7 @@ def main(ctx: StageContext) -> int:
         post.recover(state.version, ctx.latest_version() or 0)
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
-    engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s))
+    engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s), base)
     episodes = episode_runner(ctx, engine)  # None: single responses
     flow = Flow(ctx, state, exact=post is not None)  # its clock starts with the first policy
     paused, skipped = None, 0  # paused: monotonic time the current pause began

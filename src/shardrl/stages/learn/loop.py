@@ -20,7 +20,7 @@ from .. import EXIT_RUN_ABORTED
 from ..batch import POLICY_MASK
 from ..checkpoint import latest_checkpoint
 from ..context import StageContext
-from ..policy import fetch_weights, load_policy, point_latest, publish_dtype
+from ..policy import fetch_weights, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
 from ..staleness import effective_k
@@ -50,9 +50,10 @@ class Learner:
 
     def _start(self) -> None:
         ctx, cfg, store, keys = self.ctx, self.cfg, self.ctx.store, self.ctx.keys
+        base = ctx.preload_policy()  # while the snapshot evaluates v0, if it still runs
         ctx.wait_for_run()
         ctx.wait_for_policy(cfg.learner.poll_interval_s)
-        self.model, tok = load_policy(store, keys, 0, ctx.cache_dir())
+        self.model, tok = base.take()
         if (lora := cfg.learner.lora) is not None:  # adapters on the frozen v0 weights
             from ...models.lora import add_lora
 
