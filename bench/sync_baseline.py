@@ -390,9 +390,9 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
              eval_points: int, clock_start: float | None = None,
              threads: int | None = None, eval_after: bool = False) -> dict:
     """Synchronous training from `snapshot` until `budget` seconds of clock (from
-    `clock_start`, by default once the libraries are imported; evaluations excluded) are
-    spent, on `threads` torch threads (None: one per core); its pass@1 curve and sample
-    counts. `eval_after`: the points' weights are copied and evaluated after the budget
+    `clock_start`, by default once the libraries are imported and the model loaded;
+    evaluations excluded) are spent, on `threads` torch threads (None: one per core); its
+    pass@1 curve and sample counts. `eval_after`: the points' weights are copied and evaluated after the budget
     (see the module docstring)."""
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
@@ -468,7 +468,8 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
 
 def cpu_per_step(cpu_seconds: dict[str, float], steps: int) -> dict[str, float] | None:
     """The baseline's CPU seconds per optimizer step, in all and by phase (None before a
-    step). The phases are all its work on the clock but loading the model at the start."""
+    step). The phases are all its work on the clock but setting up the trainer (engine,
+    optimizer) at the start."""
     if steps <= 0:
         return None
     per = {phase: s / steps for phase, s in cpu_seconds.items()}
@@ -485,7 +486,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, required=True, help="seconds of clock")
     parser.add_argument("--eval-points", type=int, default=6)
     parser.add_argument("--clock-start", type=float,
-                        help="epoch seconds (default: once the libraries are imported)")
+                        help="epoch seconds (default: once the libraries are imported and "
+                             "the model loaded)")
     parser.add_argument("--out", type=Path, required=True, help="JSON written here")
     parser.add_argument("--threads", type=int,
                         help="torch threads (default: one per core, os.cpu_count())")

@@ -618,8 +618,8 @@ def make_budget_callback(clock_start: float, budget: float, interval: float,
 def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, eval_points: int,
             clock_start: float | None = None) -> dict:
     """GRPOTrainer from `snapshot` until `budget` seconds of clock (from `clock_start`, by
-    default once the libraries are imported; evaluations excluded) are spent; its pass@1
-    curve and sample counts."""
+    default once the libraries are imported and the model loaded; evaluations excluded) are
+    spent; its pass@1 curve and sample counts."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -686,8 +686,8 @@ PEERS = {"trl": "bench.trl_bench", "sync": "bench.sync_baseline"}
 def peer_process(peer: str, config: str, overrides: list[str], snapshot: Path, budget: float,
                  eval_points: int, extra: list[str] | None = None) -> dict:
     """One peer (`run_trl`, or `bench.sync_baseline.run_sync`) in a fresh process; its clock
-    starts once its libraries are imported (see the module docstring). `extra`: more
-    arguments for the peer's command line."""
+    starts once its libraries are imported and its model loaded (see the module docstring).
+    `extra`: more arguments for the peer's command line."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{peer}.json"
         cmd = [sys.executable, "-m", PEERS[peer], "--config", config,
@@ -934,7 +934,8 @@ def main() -> None:
     trl_only.add_argument("--budget", type=float, help="seconds of TRL clock")
     trl_only.add_argument("--eval-points", type=int, default=6)
     trl_only.add_argument("--clock-start", type=float,
-                          help="epoch seconds (default: once the libraries are imported)")
+                          help="epoch seconds (default: once the libraries are imported "
+                               "and the model loaded)")
     trl_only.add_argument("--out", type=Path, help="JSON written here")
     args = parser.parse_args()
     if args.snapshot is not None:

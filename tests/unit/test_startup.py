@@ -214,12 +214,30 @@ def same_weights(model, weights: dict) -> bool:
     return all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
-def test_a_stage_loads_policy_v0_while_the_snapshot_still_evaluates_it(tmp_path):
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Model-file caches of these tests under their own folder."""
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_stage_loads_policy_v0_while_the_snapshot_still_evaluates_it(tmp_path, cache):
     """The snapshot uploads v0, evaluates it, then writes run.json: a stage started before
-    loads v0 as soon as its manifest is there, and takes that model once the run exists."""
+    loads v0 as soon as its manifest is there (reading nothing else of the run but whether
+    run.json exists), and takes that model once the run exists."""
     ctx = context(tmp_path)
     store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
     (tmp_path / "runs" / "r1").mkdir(parents=True)
+    looked: list[str] = []
+
+    def spy(real):
+        def call(key, *args, **kwargs):
+            looked.append(key)
+            return real(key, *args, **kwargs)
+        return call
+
+    for name in ("get_bytes", "exists", "list", "get_json"):
+        setattr(ctx.store, name, spy(getattr(ctx.store, name)))
     got = []
     waiter = threading.Thread(target=lambda: got.append(ctx.preload_policy()), daemon=True)
     waiter.start()
@@ -230,6 +248,8 @@ def test_a_stage_loads_policy_v0_while_the_snapshot_still_evaluates_it(tmp_path)
     assert not waiter.is_alive()
     base = got[0]
     assert not store.exists(keys.run_json())  # loaded before the run exists
+    assert looked and all(k == keys.run_json() or k.startswith(keys.policy_prefix(0))
+                          for k in looked), looked
     early = base.loaded[0]
     assert same_weights(early, weights)
     store.put_json(keys.run_json(), {"run_id": "r1"})
@@ -237,9 +257,58 @@ def test_a_stage_loads_policy_v0_while_the_snapshot_still_evaluates_it(tmp_path)
     assert model is early  # not loaded twice
     assert tokenizer.decode(tokenizer("abc")["input_ids"], skip_special_tokens=True) == "abc"
     assert base.loaded is None  # handed over, not kept
+    ctx.close()
 
 
-def test_a_v0_published_again_before_run_json_is_loaded_again(tmp_path):
+def test_the_wait_for_v0_wakes_when_its_manifest_lands(tmp_path, cache, monkeypatch):
+    """The wait watches the policy's folder two levels below the run, created meanwhile: it
+    wakes on the manifest's commit, not at its 1 s timeout."""
+    from shardrl.stages.policy import BasePolicy
+
+    monkeypatch.setattr(BasePolicy, "preload", lambda self: None)
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    woke = []
+    waiter = threading.Thread(target=lambda: (ctx.preload_policy(), woke.append(time.monotonic())),
+                              daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    store.put_bytes(keys.policy_prefix(0) + "config.json", b"{}")  # creates both folders
+    time.sleep(0.3)
+    assert waiter.is_alive()  # a file of v0 is not v0
+    store.put_json(keys.policy_prefix(0) + "MANIFEST.json", {"files": {}})
+    landed = time.monotonic()
+    waiter.join(timeout=5)
+    assert woke and woke[0] - landed < 0.5
+    ctx.close()
+
+
+def test_a_failed_early_load_leaves_v0_to_take(tmp_path, cache, monkeypatch):
+    """An early load that fails (v0 being uploaded again under it) is not an error of the
+    stage: `take` loads v0 once the run exists."""
+    from shardrl.stages import policy
+
+    ctx = context(tmp_path)
+    store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
+    weights = publish_v0(tmp_path, store, keys, seed=0)
+    real = policy.load_policy
+
+    def mismatched(*args, **kwargs):
+        raise ValueError("model.safetensors: sha256 does not match the manifest")
+
+    monkeypatch.setattr(policy, "load_policy", mismatched)
+    base = ctx.preload_policy()
+    assert base.loaded is None
+    monkeypatch.setattr(policy, "load_policy", real)
+    store.put_json(keys.run_json(), {"run_id": "r1"})
+    model, _ = base.take()
+    assert same_weights(model, weights)
+    ctx.close()
+    ctx.close()
+
+
+def test_a_v0_published_again_before_run_json_is_loaded_again(tmp_path, cache):
     """A snapshot restarted before run.json uploads v0 again, maybe with other weights: the
     model loaded early from the first upload is not used."""
     ctx = context(tmp_path)
@@ -254,9 +323,10 @@ def test_a_v0_published_again_before_run_json_is_loaded_again(tmp_path):
     model, _ = base.take()
     assert model is not early
     assert same_weights(model, second)
+    ctx.close()
 
 
-def test_a_stage_that_starts_after_the_snapshot_loads_v0_as_before(tmp_path):
+def test_a_stage_that_starts_after_the_snapshot_loads_v0_as_before(tmp_path, cache):
     ctx = context(tmp_path)
     store, keys = LocalStore(str(tmp_path)), RunKeys("r1")
     weights = publish_v0(tmp_path, store, keys, seed=0)

@@ -145,7 +145,8 @@ class StageContext:
         """Block until the snapshot has created the run (`run.json`, its last write). A
         looping stage may start before that: the local runner starts them while the
         snapshot runs, so that their start-up overlaps it. Each looping stage calls this
-        itself, once it has done the part of its start-up that needs nothing of the run."""
+        itself, once it has done the part of its start-up that needs nothing of the run but
+        policy v0 (`preload_policy`)."""
         key = self.keys.run_json()
         if self.store.exists(key):
             return
@@ -233,7 +234,8 @@ def release_cache(run_id: str) -> None:
     process's, and those of processes that have exited (a stage killed before it could remove
     its own); then the run's folder once it is empty.
 
-    A stage loads the files it downloads once, at its start, into memory, and every process
+    A stage loads the files it downloads at its start, into memory (v0 twice when the
+    snapshot published it again before run.json, see `policy.BasePolicy`), and every process
     downloads its own copy (a SmolLM2 policy folder is about 0.5 GB per stage), so nothing
     reads them after the stage ends and, kept, they would add up run after run."""
     run_dir = cache_root() / run_id

@@ -260,7 +260,9 @@ class BasePolicy:
     instead of after run.json, where the load would delay the run's first shards and step.
     `take`, called once the run exists, hands that model over if v0's manifest is still the
     one it loaded (a snapshot restarted before writing run.json publishes v0 again, maybe
-    with other bytes), and loads v0 otherwise."""
+    with other bytes), and loads v0 otherwise. Each stage's copy of v0 is then in memory
+    while the snapshot's process still holds its own (for the length of v0's evaluation);
+    a cluster pipeline starts these stages after the snapshot, where nothing loads early."""
 
     def __init__(self, store: Store, keys: RunKeys, cache: Path) -> None:
         self.store, self.keys, self.cache = store, keys, cache
@@ -278,14 +280,20 @@ class BasePolicy:
         Call once `ready`."""
         if self.store.exists(self.keys.run_json()):
             return
-        self.manifest = self._manifest()
-        self.loaded = load_policy(self.store, self.keys, 0, self.cache)
+        try:
+            self.manifest = self._manifest()
+            self.loaded = load_policy(self.store, self.keys, 0, self.cache)
+        except Exception:  # noqa: BLE001 - v0 uploaded again meanwhile (a file no longer
+            # matches the manifest read), or anything else: `take` loads v0 once the run
+            # exists, and raises then if the error persists
+            self.manifest = self.loaded = None
 
     def take(self):
         """(model, tokenizer) of v0, once the run exists."""
         loaded, self.loaded = self.loaded, None
         if loaded is not None and self._manifest() == self.manifest:
             return loaded
+        del loaded  # not two models at once
         return load_policy(self.store, self.keys, 0, self.cache)
 
     def _manifest(self) -> dict[str, str]:

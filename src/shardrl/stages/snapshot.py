@@ -2,7 +2,8 @@
 
 Before publishing v0 (`policy/LATEST.json`, then run.json) it evaluates it as the evaluate
 stage would (`evaluate.evaluate_snapshot`; with the HF engine), so the stages that start on
-run.json have the cores to themselves."""
+run.json have the cores to themselves. The rollout workers and the learner load v0 meanwhile
+(`policy.BasePolicy`), beside that evaluation."""
 
 from __future__ import annotations
 
