@@ -275,7 +275,7 @@ def test_the_wait_for_v0_wakes_when_its_manifest_lands(tmp_path, cache, monkeypa
     waiter.start()
     time.sleep(0.3)
     store.put_bytes(keys.policy_prefix(0) + "config.json", b"{}")  # creates both folders
-    time.sleep(0.3)
+    time.sleep(0.85)  # past the first 1 s wait: a missed commit would now cost most of one
     assert waiter.is_alive()  # a file of v0 is not v0
     store.put_json(keys.policy_prefix(0) + "MANIFEST.json", {"files": {}})
     landed = time.monotonic()
