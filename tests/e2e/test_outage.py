@@ -36,7 +36,10 @@ from .test_faults import (
 pytestmark = pytest.mark.slow
 
 OUTAGE_S = 15.0
-DEADLINE_S = 30
+DEADLINE_S = 45
+"""The stages' retry deadline: the short outage must stay under it, and a restarted server
+under load (the suite's other worker busy) has been seen to answer with internal errors for
+15 s more before it takes writes again."""
 
 
 @pytest.fixture
