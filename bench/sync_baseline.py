@@ -126,7 +126,6 @@ class SyncTrainer:
         from shardrl.algo import PassRateTracker, RunningMoments
         from shardrl.engines.hf import HFEngine
         from shardrl.learner_backends import build_backend
-        from shardrl.models.io import load_causal_lm, load_tokenizer
         from shardrl.stages.update import checkpoint_activations
         from shardrl.tasks.prompts import PromptFormat
         from shardrl.tasks.rewards import build_reward
@@ -137,7 +136,7 @@ class SyncTrainer:
         torch.set_num_threads(self.threads)
         self.cfg = cfg
         self.task = make_task(cfg)
-        self.model, self.tokenizer = loaded or (load_causal_lm(snapshot), load_tokenizer(snapshot))
+        self.model, self.tokenizer = loaded or load_snapshot(snapshot)
         checkpoint_activations(cfg, self.model)  # as the learner trains, if configured
         self.prompt_format = PromptFormat.from_config(cfg)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
@@ -392,8 +391,8 @@ def run_sync(config: str, overrides: list[str], snapshot: Path, budget: float,
     """Synchronous training from `snapshot` until `budget` seconds of clock (from
     `clock_start`, by default once the libraries are imported and the model loaded;
     evaluations excluded) are spent, on `threads` torch threads (None: one per core); its
-    pass@1 curve and sample counts. `eval_after`: the points' weights are copied and evaluated after the budget
-    (see the module docstring)."""
+    pass@1 curve and sample counts. `eval_after`: the points' weights are copied and
+    evaluated after the budget (see the module docstring)."""
     from bench.demo_control import heldout_pass
     from shardrl.config import load_config
 
