@@ -679,7 +679,7 @@ def run_trl(config: str, overrides: list[str], snapshot: Path, budget: float, ev
             "startup_seconds": started, "eval_seconds": callback.paused}
 
 
-PEERS = {"trl": "bench.trl_bench", "sync": "bench.sync_baseline"}
+PEERS = {"trl": "bench.trl_bench", "sync": "bench.sync_baseline", "two_process": "bench.two_process"}
 """The module each peer runs in its own process (the same command-line arguments)."""
 
 
