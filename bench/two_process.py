@@ -74,7 +74,7 @@ def cores() -> tuple[int | None, int | None]:
 
 
 def generator(config: str, overrides: list[str], snapshot: str, shared: dict, version,
-              lock, conn, ready, lead, core: int | None) -> None:
+              lock, conn, ready, lead, stop, core: int | None) -> None:
     """The generator process: batches from the newest shared weights, sent to the learner."""
     pin(core)
     from bench.sync_baseline import PausableClock, SyncTrainer, before_clock, load_snapshot
@@ -88,6 +88,8 @@ def generator(config: str, overrides: list[str], snapshot: str, shared: dict, ve
     clock, events, have = PausableClock(conn.recv()), [], 0
     while True:
         lead.acquire()  # the learner has taken all but LEAD - 1 of the batches made so far
+        if stop.is_set():
+            return
         with lock:
             if version.value != have:
                 for name, tensor in shared.items():
@@ -123,11 +125,12 @@ def run_two_process(config: str, overrides: list[str], snapshot: Path, budget: f
     trainer = SyncTrainer(cfg, snapshot, 1, load_snapshot(snapshot))
     shared = {k: v.detach().clone().share_memory_() for k, v in trainer.model.state_dict().items()}
     ctx = mp.get_context("spawn")
-    version, lock, lead, ready = ctx.Value("i", 0, lock=False), ctx.Lock(), ctx.Semaphore(LEAD), ctx.Event()
+    version, lock, lead = ctx.Value("i", 0, lock=False), ctx.Lock(), ctx.Semaphore(LEAD)
+    ready, stop = ctx.Event(), ctx.Event()
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=generator, daemon=True,
                        args=(config, overrides, str(snapshot), shared, version, lock, theirs,
-                             ready, lead, gen_core))
+                             ready, lead, stop, gen_core))
     proc.start()
     try:
         if not ready.wait(600):
@@ -157,8 +160,15 @@ def run_two_process(config: str, overrides: list[str], snapshot: Path, budget: f
                 copies.append((at, trainer.version, clock.paused(weight_copy, trainer.model)))
                 while next_eval <= at:
                     next_eval += interval
-    finally:
-        proc.kill()
+    finally:  # let the generator finish its batch and return, then make sure it is gone
+        stop.set()
+        lead.release()
+        deadline = time.monotonic() + 30
+        while proc.is_alive() and time.monotonic() < deadline:
+            if mine.poll(0.05):
+                mine.recv_bytes()  # a batch it is still sending
+        if proc.is_alive():
+            proc.kill()
         proc.join()
     curve = []
     for at, _, state in copies:  # the clock has stopped
