@@ -685,9 +685,9 @@ PEERS = {"trl": "bench.trl_bench", "sync": "bench.sync_baseline", "two_process":
 
 def peer_process(peer: str, config: str, overrides: list[str], snapshot: Path, budget: float,
                  eval_points: int, extra: list[str] | None = None) -> dict:
-    """One peer (`run_trl`, or `bench.sync_baseline.run_sync`) in a fresh process; its clock
-    starts once its libraries are imported and its model loaded (see the module docstring).
-    `extra`: more arguments for the peer's command line."""
+    """One peer (`run_trl`, `bench.sync_baseline.run_sync` or `bench.two_process`) in a
+    fresh process; its clock starts once its libraries are imported and its model loaded
+    (see the module docstring). `extra`: more arguments for the peer's command line."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{peer}.json"
         cmd = [sys.executable, "-m", PEERS[peer], "--config", config,

@@ -189,7 +189,7 @@ def compare(seeds: list[int], overrides: list[str]) -> list[dict]:
     """Per seed: ShardRL's run (`trl_bench.run_shardrl`, evaluated every 2 versions after its
     training), then the one-thread loop and this trainer from its snapshot for as long; each
     one's time to the loop's 70% target (crossings read between evaluations) and versions."""
-    from bench.curves import target_pass, time_to_reach_interpolated
+    from bench.curves import ratio, time_to_reach_interpolated, time_to_target
     from bench.trl_bench import discard_run, peer_process, run_shardrl
 
     base = ["tracking.enabled=false", "eval.every=2", "eval.when=after",
@@ -204,23 +204,22 @@ def compare(seeds: list[int], overrides: list[str]) -> list[dict]:
                             ["--threads", "1", "--eval-after"])
         two = peer_process("two_process", "demo", ov, s["snapshot"], s["seconds"], points)
         discard_run(run_id, s["snapshot"])
-        v0, best = loop["curve"][0][1], max(p for _, p in loop["curve"])
-        target = target_pass(v0, best)
+        reached = time_to_target(loop["curve"], s["curve"], two["curve"])
+        target = reached["target"]
         row = {"seed": seed, "target": target}
-        sides = {"shardrl": (s["curve"], s["version_curve"], s["version_times"].get(10))}
-        for name, other in (("loop", loop), ("two_process", two)):
-            times = other["step_times"]
-            sides[name] = (other["curve"],
-                           [(float(v), p) for v, (_, p) in zip(other["curve_versions"],
-                                                               other["curve"], strict=True)],
-                           times[9] if len(times) > 9 else None)
-        for name, (curve, versions, v10) in sides.items():
-            row[name] = {"seconds": time_to_reach_interpolated(curve, target),
-                         "versions": time_to_reach_interpolated(versions, target),
-                         "v10_s": v10}
+        version_curves = [[(float(v), p) for v, (_, p) in zip(r["curve_versions"], r["curve"],
+                                                               strict=True)]
+                          for r in (loop, two)]
+        v10 = [r["step_times"][9] if len(r["step_times"]) > 9 else None for r in (loop, two)]
+        sides = zip(("loop", "shardrl", "two_process"), reached["crossing"],
+                    (version_curves[0], s["version_curve"], version_curves[1]),
+                    (v10[0], s["version_times"].get(10), v10[1]), strict=True)
+        for name, seconds, versions, at10 in sides:
+            row[name] = {"seconds": seconds, "v10_s": at10,
+                         "versions": None if target is None
+                         else time_to_reach_interpolated(versions, target)}
         for name in ("shardrl", "two_process"):
-            t = row[name]["seconds"]
-            row[name]["speedup"] = row["loop"]["seconds"] / t if t and row["loop"]["seconds"] else None
+            row[name]["speedup"] = ratio(row["loop"]["seconds"], row[name]["seconds"])
         row["two_process"]["max_lag"] = max(two["lags"])
         row["two_process"]["fingerprint_mismatches"] = two["fingerprint_mismatches"]
         print(json.dumps(row), flush=True)
