@@ -235,3 +235,39 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
                       "duplicated": len(acc["duplicate_shards"]), "wall_s": round(wall, 1),
                       "undisturbed_wall_s": round(calm_wall, 1),
                       "undisturbed_generated": calm["accounting"]["generated"]}))
+
+
+ARRANGED = """tracking: {enabled: false}
+rollout: {lead_counted_at: take, standby: {workers: 1, start: 0.2, stop: 0.05, window_steps: 2}}
+pipeline: {local: {weights_channel: true, nice: {rollout.1: 19}}}
+"""
+"""The lead counted from the take, worker 1 standing by (called in early), new weights through
+the runner's channel: the learner's restart must empty the channel and nothing is lost."""
+
+
+def test_crash_anywhere_with_the_lead_from_the_take_and_the_weights_channel(tmp_path):
+    store_path = str(tmp_path / "store")
+    store = open_store(store_path)
+    run_id = "arranged"
+    # a worker twice, the learner at a random moment and the instant its ledger delta
+    # appears (its weights already in the channel, its commit not landed)
+    schedule = ["rollout", "learn@commit", "rollout", "learn"]
+    thresholds = [3, 6, 9, 12]
+    proc, out = start_runner(tmp_path, run_args(write_config(tmp_path, ARRANGED), store_path,
+                                                run_id), run_id)
+    for target, at in zip(schedule, thresholds, strict=True):
+        wait_for(lambda at=at: version(store, run_id) >= at, 300, f"learner version {at}")
+        if target == "learn@commit":
+            kill_learner_at_commit(store, run_id)
+        else:
+            time.sleep(0.1)
+            kill_stage(target, run_id)
+    text = finish(proc, out)
+    assert proc.returncode == 0, text[-4000:]
+    assert text.count("learn exited with -9; restarting") == 2, text
+    check_completed(store, run_id, STEPS)
+    keys = RunKeys(run_id)
+    taken = store.get_json(keys.taken())  # the learner recorded its takes
+    assert sum(taken["kept_groups_by_worker"].values()) > 0
+    logs = Path(store_path) / "runs" / run_id / "logs"
+    assert "generating: the learner waited for data" in (logs / "rollout-1.log").read_text()

@@ -51,7 +51,7 @@ def test_a_run_without_signal_aborts_with_the_diagnosis_and_a_bounded_backlog(tm
     # 2 x (1 + 1) = 4, so 32 groups), plus the batch it had started: 8 shards of 2 groups
     written = len(shards_by_name(store, keys, ("rollouts", "ready")))
     assert written > 0
-    bound = group_cap(backlog_cap(2, 1, max_backlog_steps=1, k=2))
+    bound = group_cap(backlog_cap(2, min(1, 2)))
     assert bound == 32
     assert 2 * written <= progress["groups_by_worker"]["0"] + bound + 2 * 8
     acc = account(store, keys)

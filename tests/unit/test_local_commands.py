@@ -51,6 +51,29 @@ def test_stages_share_cores_unless_pinned(tmp_path):
     assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]
 
 
+def test_one_rollout_worker_placed_apart_from_the_others(tmp_path, capsys):
+    """`rollout.N` keys place one worker; the stage's key places the rest; a pin naming
+    none of this machine's cores is dropped with a warning rather than failing the start."""
+    core = min(os.sched_getaffinity(0))
+    run = local_run(tmp_path, [f"pipeline.local.cores={{rollout.1: [{core}], rollout: [{core}, 100000]}}",
+                               "pipeline.local.nice={rollout: 5, rollout.1: 19}"])
+    assert run.placement("rollout", 1)[1] == {core}
+    assert run.placement("rollout", 0)[1] == {core}  # core 100000 is not here
+    local = run.cfg.pipeline.local
+    assert [local.placed("nice", "rollout", w) for w in (0, 1, 2)] == [5, 19, 5]
+    assert local.placed("nice", "learn", 0) is None
+    far = local_run(tmp_path, ["pipeline.local.cores={learn: [100000]}"])
+    assert far.placement("learn")[1] is None
+    assert "none of which this machine has: it runs unpinned" in capsys.readouterr().err
+    # null removes an entry set before (a preset's, in a file that extends it)
+    undone = local_run(tmp_path, [f"pipeline.local.cores={{rollout.0: [{core}], learn: [{core}]}}",
+                                  "pipeline.local.cores={rollout.0: null, learn: null}"])
+    assert undone.placement("rollout", 0)[1] is None and undone.placement("learn")[1] is None
+    for bad in ("{rollout.x: [0]}", "{learn.1: [0]}", "{rollouts: [0]}"):
+        with pytest.raises(ValueError, match="name a looping stage"):
+            load_config("demo", [f"pipeline.local.cores={bad}"])
+
+
 PROBE = ("import os; assert os.read(0, 1) == b''; os.write(1, ' '.join(map(str, ("
          "os.nice(0), os.getsid(0), os.getpgid(0), os.getpid()))).encode())")
 """Writes to descriptor 1 (the log, in a forked child too) once descriptor 0 read nothing."""
@@ -83,8 +106,8 @@ def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monk
     equal share of the CPU and niceness weighs only within one, so stages in sessions of
     their own would ignore it. Its standard input is empty, not the runner's (a background
     group reading the terminal would be stopped)."""
-    run = local_run(tmp_path, ["pipeline.local.fork=false"])
-    assert run.cfg.pipeline.local.nice == {"rollout": 5, "evaluate": 10}
+    run = local_run(tmp_path, ["pipeline.local.fork=false",
+                               "pipeline.local.nice={rollout: 5, evaluate: 10}"])  # the default
     monkeypatch.setattr(run, "command", lambda name, worker: [sys.executable, "-c", PROBE])
     base = os.nice(0)
     for name, more in (("rollout", 5), ("evaluate", 10), ("learn", 0)):

@@ -14,6 +14,7 @@ from shardrl.stages.staleness import (
     group_cap,
     keep_rate,
     kept_backlog,
+    lead_cap,
     step_ready,
     worker_share,
 )
@@ -43,10 +44,12 @@ def test_admission_is_lag_at_most_k():
 def test_backlog_cap_in_kept_groups_bounded_by_k():
     # B=16 over 2 workers: 8 groups each; one step beyond the one being trained
     assert worker_share(16, 2) == 8 and worker_share(16, 3) == 6  # rounded up
-    assert backlog_cap(16, 2, max_backlog_steps=1, k=8) == 16
-    assert backlog_cap(16, 1, max_backlog_steps=3, k=8) == 64
-    assert backlog_cap(16, 1, max_backlog_steps=3, k=2) == 48  # never beyond k steps ahead
-    assert backlog_cap(16, 1, max_backlog_steps=3, k=0) == 16  # synchronous: one step
+    assert backlog_cap(worker_share(16, 2), min(1, 8)) == 16
+    assert backlog_cap(16, min(3, 8)) == 64
+    assert backlog_cap(16, min(3, 2)) == 48  # never beyond k steps ahead
+    assert backlog_cap(16, min(3, 0)) == 16  # synchronous: one step
+    # counted from the take, the step being trained no longer counts
+    assert lead_cap(8, 1) == 8 and lead_cap(16, 3) == 48
 
 
 def test_kept_backlog_and_keep_rate():
@@ -92,7 +95,7 @@ def test_a_worker_paused_on_kept_groups_and_one_paused_on_groups_do_not_deadlock
     # at k=0, B=16, 2 workers (cap 8 kept groups, 64 of any kind): worker 0 is paused with
     # 8 kept of 24 waiting, worker 1 with 5 kept of 64 waiting; 13 kept and 88 groups fill
     # neither a batch nor the 128-group limit, but worker 1's 64 groups make the step
-    cap = backlog_cap(16, 2, max_backlog_steps=1, k=0)
+    cap = backlog_cap(worker_share(16, 2), min(1, 0))
     assert (cap, group_cap(cap)) == (8, 64)
     assert step_ready(8 + 5, 24 + 64, 64, 16, 2)
 
@@ -105,7 +108,7 @@ def test_once_every_worker_is_paused_the_learner_can_step(batch, workers, backlo
     """The invariant the flow control rests on: a worker pauses at its cap of kept groups or
     at its cap of groups of any kind; whatever mix of the two the workers are paused in, the
     groups they left for the learner make a step."""
-    cap = backlog_cap(batch, workers, backlog_steps, k)
+    cap = backlog_cap(worker_share(batch, workers), min(backlog_steps, k))
     kept, groups = [], []
     for _ in range(workers):
         if data.draw(st.booleans()):  # paused on kept groups

@@ -95,34 +95,59 @@ class LocalConfig(Section):
     """Start stages by forking the runner, which imported their modules once, instead of a
     fresh interpreter each (saves every stage's torch and transformers import, seconds of CPU
     per stage). The learner's DeepSpeed ranks always start under torchrun."""
+    weights_channel: bool = False
+    """Hand each new policy version from the learner to the rollout workers through a folder
+    in shared memory as the learner captures its commit, about 10 ms before the commit lands
+    in the store (`stages.channel`; weights up to 64 MiB). The store stays the record."""
     share_cores: bool = False
     """Lend idle stages' cores to busy ones: a busy rollout, learner or evaluator runs on
     `cores // busy stages` threads (at least its configured `threads`)."""
-    cores: dict[Literal[LOOPING], list[int]] = {}
+    cores: dict[str, list[int] | None] = {}
     """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
-    every core. Pinning disables sharing for the pinned stages."""
-    nice: dict[Literal[LOOPING], int] = {"rollout": 5, "evaluate": 10}
+    every core. `rollout.N` places rollout worker N alone (`{rollout.0: [0], learn: [1]}`)
+    and takes precedence over `rollout`; null removes an entry (a preset's, in a file that
+    extends it). Pinning disables sharing for the pinned stages; a pin that names none of this
+    machine's cores is ignored, with a warning."""
+    nice: dict[str, int] = {"rollout": 5, "evaluate": 10}
     """Scheduling niceness of stages on shared cores (0-19; higher yields the CPU to lower).
     The learner makes the versions, so it goes first: while it is the bottleneck (the rollout
     workers ahead, at their backlog cap) the workers' generation, which it cannot use yet,
     and the evaluations would slow it if they had equal shares; niced, they run on the cycles
-    it leaves, and once it waits for data they have the cores to themselves. `{}`: equal."""
+    it leaves, and once it waits for data they have the cores to themselves. `{}`: equal.
+    `rollout.N` sets worker N's alone, as in `cores`."""
 
     @field_validator("nice")
     @classmethod
     def _nice_range(cls, value: dict[str, int]) -> dict[str, int]:
         for name, n in value.items():
+            _placed(name, "nice")
             if not 0 <= n <= 19:
                 raise ValueError(f"pipeline.local.nice.{name}: give a niceness from 0 to 19")
         return value
 
     @field_validator("cores")
     @classmethod
-    def _known_cores(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+    def _known_cores(cls, value: dict[str, list[int] | None]) -> dict[str, list[int] | None]:
         for name, cpus in value.items():
-            if not cpus or min(cpus) < 0:
+            _placed(name, "cores")
+            if cpus is not None and (not cpus or min(cpus) < 0):
                 raise ValueError(f"pipeline.local.cores.{name}: give core numbers >= 0")
         return value
+
+    def placed(self, setting: Literal["cores", "nice"], name: str, worker: int):
+        """The `cores` or `nice` entry of replica `worker` of stage `name`: its own
+        (`rollout.1`) unless null, else its stage's, else None."""
+        entries = getattr(self, setting)
+        own = entries.get(f"{name}.{worker}")
+        return own if own is not None else entries.get(name)
+
+
+def _placed(key: str, setting: str) -> None:
+    """Check a `cores` or `nice` key: a looping stage, or `rollout.N` for one worker."""
+    name, dot, worker = key.partition(".")
+    if name not in LOOPING or (dot and (name != "rollout" or not worker.isdigit())):
+        raise ValueError(f"pipeline.local.{setting}.{key}: name a looping stage "
+                         f"({', '.join(LOOPING)}) or one rollout worker, as rollout.0")
 
 
 class Toleration(Section):

@@ -9,6 +9,33 @@ from pydantic import Field, model_validator
 from .base import Section
 
 
+class StandbyConfig(Section):
+    """Rollout workers that generate only while the learner lacks data."""
+
+    workers: int = Field(0, ge=0, le=1023)
+    """How many of `rollout.workers` (the last ones, and never all: one worker always
+    generates) stand by. The others split
+    `learner.batch_prompts` between them and generate throughout; a standby worker helps
+    with the learner's first batch, then pauses until the learner waits for data for `start`
+    of its time over the last `window_steps` steps, and generates until that share falls
+    under `stop`. Its backlog share is `batch_prompts / workers`. While the learner is the
+    bottleneck the samples then come from the fewest workers, the freshest; once generation
+    is, every core generates. 0: every worker generates throughout."""
+    start: float = Field(0.5, gt=0.0, le=1.0)
+    """Share of the learner's wall time waiting for data that calls the standby workers in."""
+    stop: float = Field(0.1, ge=0.0, le=1.0)
+    """Share under which they stand by again (at most `start`)."""
+    window_steps: int = Field(8, ge=1, le=100_000)
+    """Learner steps the share is measured over."""
+
+    @model_validator(mode="after")
+    def _stop_below_start(self) -> StandbyConfig:
+        if self.stop > self.start:
+            raise ValueError(f"rollout.standby.stop ({self.stop}) must not exceed "
+                             f"rollout.standby.start ({self.start})")
+        return self
+
+
 class RolloutConfig(Section):
     """Generation of groups of samples by the current policy."""
 
@@ -37,6 +64,15 @@ class RolloutConfig(Section):
     the workers busier but trains on older samples: on the demo (2 cores, 5 seeds) 2 instead
     of 1 raised samples/s by 5% and the workers' busy share from 0.82 to 0.86, yet reached
     the target pass@1 later (0.65x the synchronous loop's speed instead of 1.26x)."""
+    lead_counted_at: Literal["commit", "take"] = "commit"
+    """When a worker's shards stop counting toward `max_backlog_steps`: once the learner's
+    commit consumed them (`commit`), or once the learner took them into a step, before its
+    update (`take`): then a worker generates the next step's share while the learner trains
+    on its last, on samples one version fresher than under `commit` at the same run-ahead.
+    `take` needs the exact kept counts of inline post-processing (`postprocess`) and
+    `min(max_backlog_steps, k) >= 1`; otherwise `commit` applies."""
+    standby: StandbyConfig = StandbyConfig()
+    """Workers that generate only while the learner lacks data (see `StandbyConfig`)."""
     max_batch_shards: int = Field(8, ge=1, le=4096)
     """Most shards generated in one batch. A worker generates as many shards at once as its
     backlog has room for (fewer, larger batches keep the cores busy); 1: shard by shard."""

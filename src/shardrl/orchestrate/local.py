@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
+from ..stages.channel import ENV as CHANNEL_ENV
 from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
@@ -57,6 +60,8 @@ class LocalRun:
     procs: list[Proc] = field(default_factory=list)
     rss: PeakRss = field(default_factory=PeakRss)
     """Peak resident memory per stage, sampled while the stages run."""
+    channel: Path | None = None
+    """The weights channel's folder (`pipeline.local.weights_channel`), while the run runs."""
 
     @property
     def keys(self) -> RunKeys:
@@ -71,19 +76,27 @@ class LocalRun:
         module = {"shardrl": "shardrl.cli", "torchrun": "torch.distributed.run"}[argv[0]]
         return [sys.executable, "-m", module, *argv[1:]]
 
-    def placement(self, name: str) -> tuple[dict[str, str], set[int] | None]:
-        """(environment, CPU affinity or None) of a stage: its threads, its pinned cores, or
-        the shared-core directory through which busy stages borrow idle cores."""
+    def placement(self, name: str, worker: int = 0) -> tuple[dict[str, str], set[int] | None]:
+        """(environment, CPU affinity or None) of replica `worker` of a stage: its threads,
+        its pinned cores, or the shared-core directory through which busy stages borrow idle
+        cores."""
         threads = str(stage(name).threads(self.cfg))
         # Several stages share these cores: OpenMP threads that spin while they wait for
         # work (the default) steal the cores another stage computes on, which made an update
         # up to 5x slower here; passive waiting yields them.
         env = {"SHARDRL_THREADS": threads, "OMP_NUM_THREADS": threads,
                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}
+        if self.channel is not None:
+            env[CHANNEL_ENV] = str(self.channel)
         local = self.cfg.pipeline.local
-        pinned = local.cores.get(name)
+        pinned = local.placed("cores", name, worker)
         if pinned is not None:
-            return env, set(pinned)
+            here = set(pinned) & os.sched_getaffinity(0)
+            if here:
+                return env, here
+            print(f"pipeline.local.cores: {name} worker {worker} is pinned to cores "
+                  f"{sorted(pinned)}, none of which this machine has: it runs unpinned",
+                  file=sys.stderr, flush=True)
         if local.share_cores:
             share = self.log_dir / "cores"
             share.mkdir(exist_ok=True)
@@ -101,8 +114,8 @@ class LocalRun:
         would share the cores equally whatever `pipeline.local.nice` says.
         """
         log = self.log_dir / (f"{name}.log" if worker == 0 else f"{name}-{worker}.log")
-        env, cpus = self.placement(name)
-        nice = self.cfg.pipeline.local.nice.get(name, 0)
+        env, cpus = self.placement(name, worker)
+        nice = self.cfg.pipeline.local.placed("nice", name, worker) or 0
         die = die_with_parent()
 
         def preexec() -> None:
@@ -216,6 +229,9 @@ def run(args) -> int:
         interrupted = True
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
+    if lr.cfg.pipeline.local.weights_channel:  # in memory where the machine has it
+        lr.channel = Path(tempfile.mkdtemp(prefix="shardrl-weights-",
+                                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
         # the looping stages start first and wait for run.json: their start-up (forking or
@@ -251,6 +267,8 @@ def run(args) -> int:
     finally:
         lr.stop_all()
         release_cache(lr.run_id)  # what stages killed before their end left behind
+        if lr.channel is not None:
+            shutil.rmtree(lr.channel, ignore_errors=True)
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..engines.hf import HFEngine
 from ..tasks.prompts import PromptFormat
+from .channel import Channel
 from .context import StageContext
 from .policy import BasePolicy, PolicyWeights, load_policy
 
@@ -47,6 +48,21 @@ class PolicyEngine:
         if version == self.engine.version:
             return False
         state = self.weights.get(self.ctx.store, self.ctx.keys, version)
+        self.engine.load_weights(state, version)
+        return True
+
+    def take(self, channel: Channel, committed: int) -> bool:
+        """Load the weights channel's newest version if it is newer than this engine's and
+        than `committed` (the store's newest); True when it did."""
+        version = channel.latest()
+        if version is None or version <= max(committed, self.engine.version):
+            return False
+        state = channel.load(version)
+        if state is None:  # replaced by a newer one meanwhile: the store has this one soon
+            return False
+        # no base for the store's deltas: should the learner crash before this version's
+        # commit, its restart makes a different one, and deltas applied to this would drift
+        self.weights.state, self.weights.version = {}, None
         self.engine.load_weights(state, version)
         return True
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..config.stages import StandbyConfig
 from ..store import RunKeys, Store
-from ..store.records import Buffered, Progress, RetiredChange, WorkerState
+from ..store.records import Buffered, Progress, RetiredChange, Taken, WorkerState
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
 from ..tasks.source import make_task
+from .channel import Channel
 from .context import StageContext
 from .engine import PolicyEngine
 from .episodes import episode_metrics, episode_runner, with_episode_columns
@@ -24,6 +27,7 @@ from .staleness import (
     group_cap,
     keep_rate,
     kept_backlog,
+    lead_cap,
     worker_share,
 )
 
@@ -52,7 +56,9 @@ def main(ctx: StageContext) -> int:
                else None)
     engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s), base)
     episodes = episode_runner(ctx, engine)  # None: single responses
-    flow = Flow(ctx, state, exact=post is not None)  # its clock starts with the first policy
+    channel = Channel.from_env()  # new weights ahead of their commit (`stages.channel`)
+    flow = Flow(ctx, state, exact=post is not None,  # its clock starts with the first policy
+                channel=channel)
     paused, skipped = None, 0  # paused: monotonic time the current pause began
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
@@ -78,7 +84,11 @@ def main(ctx: StageContext) -> int:
                                  "pause_s": time.monotonic() - paused})
             paused = None
             # progress.json is written after the weights it names and just before LATEST.json
-            engine.ensure(max(ctx.latest_version() or 0, progress.version))
+            newest = max(ctx.latest_version() or 0, progress.version)
+            if channel is None:
+                engine.ensure(newest)
+            elif not engine.take(channel, newest) and newest > engine.version:
+                engine.ensure(newest)  # never back to the store's older version
             # several shards in one generation batch when the backlog has room for them
             first, n = state.next_seq, flow.batch(progress)
             # reserve the sequence numbers first: a crash leaves gaps, never two shards with one name
@@ -117,7 +127,8 @@ def main(ctx: StageContext) -> int:
             flow.sampled(time.thread_time() - cpu_started)
             writes = _settled(writes)  # the previous batch is stored (or its error surfaces)
             at = 0
-            latest = ctx.latest_version() or engine.version  # for the shards' version lag
+            # for the shards' version lag (the engine's may be newer: the weights channel's)
+            latest = max(ctx.latest_version() or 0, engine.version)
             for seq, items in shards:
                 ids, grouped = prompt_ids[at:at + len(items)], groups[at:at + len(items)]
                 at += len(items)
@@ -198,12 +209,26 @@ def backlog(progress: Progress, worker: int, groups_written: int, kept_written: 
 class Flow:
     """A worker's flow control, counted in prompt groups kept by filtering (the unit the
     learner consumes): pause while the kept groups this worker wrote and the learner has
-    not committed reach `staleness.backlog_cap`. With inline post-processing the worker
-    knows each shard's kept groups; otherwise it estimates them with the keep rate of its
-    groups the learner committed so far."""
+    not committed reach `staleness.backlog_cap`, or, with `rollout.lead_counted_at: take`,
+    while those it has not yet taken into a step fill `staleness.lead_cap`. With inline
+    post-processing the worker knows each shard's kept groups; otherwise it estimates them
+    with the keep rate of its groups the learner committed so far. A standby worker
+    (`rollout.standby`) also pauses while `Standby` says the learner has data enough."""
 
-    def __init__(self, ctx: StageContext, state: WorkerState, exact: bool) -> None:
-        self.ctx, self.exact = ctx, exact
+    def __init__(self, ctx: StageContext, state: WorkerState, exact: bool,
+                 channel: Channel | None = None) -> None:
+        self.ctx, self.exact, self.channel = ctx, exact, channel
+        rc, lc = ctx.cfg.rollout, ctx.cfg.learner
+        standby = 0 if ctx.once else min(rc.standby.workers, ctx.workers - 1)
+        self.standby = Standby(rc.standby) if ctx.worker >= ctx.workers - standby else None
+        """The standby rule when this is a standby worker, else None."""
+        self.share = worker_share(lc.batch_prompts, ctx.workers if self.standby or not standby
+                                  else ctx.workers - standby)
+        """Kept groups this worker contributes to a step: the batch split among the workers
+        that generate throughout (each standby worker's: split among all)."""
+        self.at_take = exact and not ctx.once and rc.lead_counted_at == "take"
+        self.taken: Taken | None = None
+        """The learner's last `Taken` record, read by `full` (and used by `batch` after it)."""
         self.groups = state.groups_written
         self.kept = state.kept_written
         self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)
@@ -246,21 +271,49 @@ class Flow:
         buffered = Buffered.read(self.ctx.store, self.ctx.keys.buffered())
         return backlog(progress, self.ctx.worker, self.groups, None, buffered)
 
-    def cap(self, progress: Progress) -> int:
+    def ahead(self, progress: Progress) -> int:
+        """`min(max_backlog_steps, k)`: the steps a worker may run ahead of the learner."""
         cfg = self.ctx.cfg
         lc = cfg.learner
         k = effective_k(lc.max_staleness, progress.version, lc.total_steps,
                         lc.halve_staleness_at)
-        return backlog_cap(lc.batch_prompts, self.ctx.workers, cfg.rollout.max_backlog_steps, k)
+        return min(cfg.rollout.max_backlog_steps, k)
+
+    def cap(self, progress: Progress) -> int:
+        """Kept groups not yet committed at which the worker pauses."""
+        return backlog_cap(self.share, self.ahead(progress))
+
+    def room(self, progress: Progress) -> float:
+        """Kept groups the worker may still write before it pauses: counted from the take
+        (`lead_counted_at: take`, when it applies), else from the commit."""
+        ahead = self.ahead(progress)
+        if self.at_take and ahead >= 1:
+            worker = self.ctx.worker
+            taken = self.taken.kept_groups_by_worker.get(worker, 0) if self.taken else 0
+            done = max(taken, progress.kept_groups_by_worker.get(worker, 0))
+            return lead_cap(self.share, ahead) - kept_backlog(self.kept, done)
+        return self.cap(progress) - self.backlog(progress)
+
+    def newest(self, progress: Progress) -> int:
+        """The newest version this worker can load: committed, or in the weights channel."""
+        fast = self.channel.latest() if self.channel is not None else None
+        return max(progress.version, fast or 0)
 
     def waiting_groups(self, progress: Progress) -> int:
         """Prompt groups, kept or not, this worker wrote that the learner has not committed."""
         return max(0, self.groups - progress.groups_by_worker.get(self.ctx.worker, 0))
 
     def full(self, progress: Progress) -> bool:
-        cap = self.cap(progress)
-        return (self.backlog(progress) >= cap
-                or self.waiting_groups(progress) >= group_cap(cap))
+        if self.at_take or self.standby is not None:
+            self.taken = Taken.read(self.ctx.store, self.ctx.keys.taken(), optional=True)
+        if self.standby is not None and not self.standby.called(self.taken, self.ctx.log):
+            return True
+        if self.at_take and self.taken is not None and self.taken.version > self.newest(progress):
+            # the version the learner took its batch at is on its way: generate with it, not
+            # with the one before (two behind at the next take)
+            return True
+        return (self.room(progress) <= 0
+                or self.waiting_groups(progress) >= group_cap(self.cap(progress)))
 
     def pause(self, timeout: float) -> None:
         """Wait for the learner's next commit (or `timeout`)."""
@@ -304,10 +357,8 @@ class Flow:
             room = share - (self.round_kept if self.exact
                             else self.round_groups * self.round_rate)
         else:
-            cap = self.cap(progress)
-            room = cap - self.backlog(progress)
-            return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards,
-                                group_cap(cap) - self.waiting_groups(progress),
+            return batch_shards(self.room(progress), self.kept_per_shard(), rc.max_batch_shards,
+                                group_cap(self.cap(progress)) - self.waiting_groups(progress),
                                 rc.prompts_per_shard)
         return batch_shards(room, self.kept_per_shard(), rc.max_batch_shards)
 
@@ -319,6 +370,46 @@ class Flow:
         if self.exact:
             return self.round_kept >= share
         return self.round_groups * self.round_rate >= share
+
+
+class Standby:
+    """When a standby worker generates (`rollout.standby`): for the learner's first batch
+    (before its first `Taken` record), and then from when the learner waited for data
+    `start` of its wall time over the last `window_steps` steps until that share falls
+    under `stop`. The share is read off the learner's `Taken` records, one per step."""
+
+    def __init__(self, cfg: StandbyConfig) -> None:
+        self.cfg = cfg
+        self.marks: deque[tuple[float, float]] = deque(maxlen=cfg.window_steps + 1)
+        """(stepping_s, elapsed_s) of the learner's last records, oldest first."""
+        self.on = False
+
+    def waiting_share(self) -> float | None:
+        """The learner's share of wall time between steps (waiting for data, reading it)
+        over the marks; None before two."""
+        if len(self.marks) < 2:
+            return None
+        (in0, at0), (in1, at1) = self.marks[0], self.marks[-1]
+        return 1.0 - (in1 - in0) / (at1 - at0) if at1 > at0 else None
+
+    def called(self, taken: Taken | None, log=None) -> bool:
+        """Whether to generate now, given the learner's last record (None: none yet)."""
+        if taken is None:
+            return True
+        mark = (taken.stepping_s, taken.elapsed_s)
+        if self.marks and mark[1] < self.marks[-1][1]:  # a restarted learner's clock
+            self.marks.clear()
+        if not self.marks or mark != self.marks[-1]:
+            self.marks.append(mark)
+        share = self.waiting_share()
+        if share is None:
+            return self.on
+        on = share > (self.cfg.stop if self.on else self.cfg.start)
+        if on != self.on and log is not None:
+            log.info("%s: the learner waited for data %.0f%% of its last %d steps",
+                     "generating" if on else "standing by", 100 * share, len(self.marks) - 1)
+        self.on = on
+        return on
 
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,

@@ -253,6 +253,10 @@ class RunKeys:
         """`state/learn/buffered.json`: groups read but not committed (`Buffered`)."""
         return self.state("learn", "buffered.json")
 
+    def taken(self) -> str:
+        """`state/learn/taken.json`: groups taken into steps, as each starts (`Taken`)."""
+        return self.state("learn", "taken.json")
+
     def ledger(self, commit: int) -> str:
         """`state/learn/ledger-<commit>.json`: one commit's shards (`LedgerDelta`)."""
         return self.state("learn", f"ledger-{_number(commit, MAX_STEP, 'commit'):06d}.json")

@@ -99,6 +99,24 @@ class Buffered(Record):
     kept_groups_by_worker: dict[int, int] = {}
 
 
+class Taken(Record):
+    """What the learner has taken into steps, written as each step starts (before its update
+    and commit): the rollout workers count their lead from it (`rollout.lead_counted_at:
+    take`) and the standby workers read from it how much the learner waits for data."""
+
+    version: int = 0
+    """The learner's version when the step started (the step publishes the next)."""
+    groups_by_worker: dict[int, int] = {}
+    """Prompt groups per rollout worker committed before the step or taken into it."""
+    kept_groups_by_worker: dict[int, int] = {}
+    """Of those, the groups zero-variance filtering kept."""
+    stepping_s: float = 0.0
+    """Seconds the learner process spent inside steps (update, commit, metrics) before this
+    one; the rest of `elapsed_s` it waited for data and read it."""
+    elapsed_s: float = 0.0
+    """Seconds since the learner process started its loop (it restarts from 0 with it)."""
+
+
 class LedgerEntry(Record):
     key: str
     outcome: Literal["admitted", "stale"]

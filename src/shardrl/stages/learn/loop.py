@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -13,11 +14,12 @@ from safetensors.torch import load as st_load
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
 from ...models.delta import publish_state, state_bytes
-from ...store.records import Aborted, Done, LearnerRestart, Progress
+from ...store.records import Aborted, Done, LearnerRestart, Progress, Taken
 from ...store.schemas import READY
 from ...store.shards import read_shard
 from .. import EXIT_RUN_ABORTED
 from ..batch import POLICY_MASK
+from ..channel import Channel
 from ..checkpoint import latest_checkpoint
 from ..context import StageContext
 from ..policy import fetch_weights, point_latest, publish_dtype
@@ -26,7 +28,7 @@ from ..scan import Scanner
 from ..staleness import effective_k
 from ..update import checkpoint_activations, update_loss
 from . import ranks
-from .buffer import COLUMNS, Batch, ReadyBuffer
+from .buffer import COLUMNS, Batch, ReadyBuffer, tally
 from .commit import Commit, Ledger, Writer
 from .offload import Check, CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
@@ -82,11 +84,18 @@ class Learner:
         self.profile = Profile()
         self.barren = Barren()
         self.writer = Writer()
+        self.taken_writer = Writer()
+        """The `Taken` records' own thread: a record waits behind the last one, not behind
+        the last commit's writes."""
         # the cursor is written after the commits queued before it: it never closes a
         # version whose last shards' ledger entry is not yet in the store
         scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled, self.writer.later)
         self.buffer = ReadyBuffer(ctx, scanner, self.profile)
         self.retention = Retention(store, keys, cfg, self.version) if self.leader else None
+        self.channel = Channel.from_env() if self.leader and not ctx.once else None
+        """Where new weights go ahead of their commit (`stages.channel`), or None."""
+        if self.channel is not None:
+            self.channel.clear()  # versions an earlier learner made and may not have committed
 
     def _resume_backend(self):
         """The backend over the policy (and critic), with the weights and optimizer state of
@@ -155,7 +164,10 @@ class Learner:
         try:
             self.writer.close()
         finally:
-            self.commits.close()
+            try:
+                self.taken_writer.close()
+            finally:
+                self.commits.close()
 
     def _lead(self) -> int:
         ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
@@ -169,7 +181,11 @@ class Learner:
             if batch is None and ctx.once:  # the round's inputs are all in: step on them
                 batch = buffer.whole(self.version, self.k())
             if batch is not None:
+                if not ctx.once:
+                    self.took(batch)
+                started = time.monotonic()
                 self.step(batch)
+                self.profile.stepping_s += time.monotonic() - started
                 if ctx.once and self.version < lc.total_steps:
                     return 0
                 if self.solved():
@@ -194,6 +210,22 @@ class Learner:
              converged=converged).write(ctx.store, ctx.keys.done())
         ctx.log.info("done: %d steps, %s", self.version, dict(self.ledger.counts))
         return 0
+
+    def took(self, batch: Batch) -> None:
+        """Record, as the step on `batch` starts, the groups committed or taken so far and the
+        learner's time in steps (`Taken`), written on a thread of its own, off the step's
+        path: a worker whose lead counts at the take resumes on it, and a standby
+        worker reads from it how long the learner spends between steps, waiting for data."""
+        groups = Counter(self.ledger.groups_by_worker)
+        kept = Counter(self.ledger.kept_by_worker)
+        for key, table, _ in batch:
+            worker, n_groups, n_kept = self.buffer.tallies.get(key) or tally(key, table)
+            groups[worker] += n_groups
+            kept[worker] += n_kept
+        record = Taken(version=self.version, groups_by_worker=dict(groups),
+                       kept_groups_by_worker=dict(kept), stepping_s=self.profile.stepping_s,
+                       elapsed_s=time.monotonic() - self.profile.started)
+        self.taken_writer.submit(record.write, self.ctx.store, self.ctx.keys.taken())
 
     def step(self, batch: Batch, every_round: bool | None = None) -> None:
         """One update on the admitted shards of `batch`, then the batch's commit.
@@ -330,6 +362,8 @@ class Learner:
         writer (see the package docstring).
         """
         weights, files = self.advance(stepped)
+        if self.channel is not None and weights is not None:
+            self.channel.publish(self.version, weights)
         delta = self.ledger.record(batch, self.buffer.tallies)
         self.buffer.remove(batch)
         self.ledger.forget_below(self.buffer.scanner.low)

@@ -14,6 +14,9 @@ class Profile:
     busy_cpu_s: float = 0.0
     """CPU seconds of updates (the learner's thread): busy time without waits for a shared
     core."""
+    stepping_s: float = 0.0
+    """Wall seconds inside steps (update, commit, metrics); the rest of the loop's time
+    goes to waiting for data and reading it (see `Taken`)."""
     read_s: float = 0.0
     """Seconds since the last step the learner waited for shard reads (they run on the
     buffer's reader thread; a read done during an update costs the step nothing)."""

@@ -1,0 +1,80 @@
+"""New weights handed from the learner to the rollout workers of one machine, ahead of the
+commit (`pipeline.local.weights_channel`).
+
+The local runner gives the stages one folder (`ENV`; in shared memory where the machine has
+it) and removes it when the run ends. At each commit call the learner writes the new
+version's weights there (safetensors, then a `version` file naming it: a rename each, no
+fsync) before the commit's store writes, which take it about 10 ms more to land; a rollout
+worker that wants a version newer than the store's takes it from the folder. The store
+stays the record: the channel holds the last `KEEP` versions and nothing else, and a learner
+that starts (or restarts) empties it, so a worker never takes a version from it that a
+restarted learner has not made (one it took before that learner's crash is the one
+difference: its shards name a version the new learner will make again, from its own batch;
+they train as any sample does, on their recorded log-probabilities).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+ENV = "SHARDRL_WEIGHTS_CHANNEL"
+"""The folder's path, set by the local runner for the stages it starts."""
+KEEP = 2
+"""Versions the folder holds."""
+MAX_BYTES = 64 << 20
+"""Largest weights the learner writes there, on its step's path (the demo's: under 1 MiB)."""
+
+
+class Channel:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def from_env(cls) -> Channel | None:
+        """The channel the local runner set up for this run, or None (off, or not local)."""
+        path = os.environ.get(ENV)
+        return cls(path) if path and Path(path).is_dir() else None
+
+    def _file(self, version: int) -> Path:
+        return self.path / f"v{version:08d}.safetensors"
+
+    def _replace(self, name: str, data: bytes) -> None:
+        tmp = self.path / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path / name)
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> bool:
+        """Write `version`'s weights, then name it; False (nothing written) when they are
+        larger than `MAX_BYTES`."""
+        if sum(t.numel() * t.element_size() for t in weights.values()) > MAX_BYTES:
+            return False
+        self._replace(self._file(version).name,
+                      st_save({k: t.detach().contiguous() for k, t in weights.items()}))
+        self._replace("version", str(version).encode())
+        self._file(version - KEEP).unlink(missing_ok=True)
+        return True
+
+    def latest(self) -> int | None:
+        """The newest version in the folder, or None."""
+        try:
+            return int((self.path / "version").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def load(self, version: int) -> dict[str, torch.Tensor] | None:
+        """`version`'s weights, or None once they are gone (a newer one replaced them)."""
+        try:
+            return st_load(self._file(version).read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def clear(self) -> None:
+        """Remove every version (a learner that starts: the store is the record)."""
+        (self.path / "version").unlink(missing_ok=True)
+        for entry in self.path.glob("v*.safetensors"):
+            entry.unlink(missing_ok=True)
