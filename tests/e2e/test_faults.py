@@ -220,6 +220,7 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
     for name in set(killed):
         assert text.count(f"{name} exited with -9; restarting") == killed.count(name), text
     summary = check_completed(store, run_id, STEPS)
+    assert not store.exists(RunKeys(run_id).taken())  # no worker reads takes by default
     calm_store, calm_id, calm_wall = undisturbed
     calm = check_completed(calm_store, calm_id, STEPS)
     # the final policy evaluates like the undisturbed one, within sampling noise

@@ -84,6 +84,10 @@ class Learner:
         self.profile = Profile()
         self.barren = Barren()
         self.writer = Writer()
+        rc = cfg.rollout
+        self.takes_read = not ctx.once and (rc.lead_counted_at == "take"
+                                            or (rc.standby.workers > 0 and rc.workers > 1))
+        """Whether a rollout worker reads the learner's takes (`took`)."""
         self.taken_writer = Writer()
         """The `Taken` records' own thread: a record waits behind the last one, not behind
         the last commit's writes."""
@@ -181,7 +185,7 @@ class Learner:
             if batch is None and ctx.once:  # the round's inputs are all in: step on them
                 batch = buffer.whole(self.version, self.k())
             if batch is not None:
-                if not ctx.once:
+                if self.takes_read:
                     self.took(batch)
                 started = time.monotonic()
                 self.step(batch)
