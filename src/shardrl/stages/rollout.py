@@ -28,6 +28,7 @@ from .staleness import (
     keep_rate,
     kept_backlog,
     lead_cap,
+    standby_count,
     worker_share,
 )
 
@@ -219,7 +220,7 @@ class Flow:
                  channel: Channel | None = None) -> None:
         self.ctx, self.exact, self.channel = ctx, exact, channel
         rc, lc = ctx.cfg.rollout, ctx.cfg.learner
-        standby = 0 if ctx.once else min(rc.standby.workers, ctx.workers - 1)
+        standby = 0 if ctx.once else standby_count(rc.standby.workers, ctx.workers)
         self.standby = Standby(rc.standby) if ctx.worker >= ctx.workers - standby else None
         """The standby rule when this is a standby worker, else None."""
         self.share = worker_share(lc.batch_prompts, ctx.workers if self.standby or not standby

@@ -37,6 +37,12 @@ def worker_share(batch_prompts: int, workers: int) -> int:
     return -(-batch_prompts // workers)
 
 
+def standby_count(standby_workers: int, workers: int) -> int:
+    """Of `workers` rollout workers, how many stand by (`rollout.standby.workers`): never all,
+    one always generates."""
+    return min(standby_workers, workers - 1)
+
+
 FILTERED_LIMIT = 8
 """The learner steps anyway once this many batches' worth of groups wait and too few were kept
 by filtering (or this many of one worker's shares, see `step_ready`); a worker also pauses

@@ -58,13 +58,22 @@ class Ledger:
                 self.counts["consumed"] += kept
                 self.counts["filtered"] += rows - kept
             self.by_worker[sk.worker] += 1
-            _, groups, kept_g = tallies.get(key) or tally(key, table)
-            self.groups_by_worker[sk.worker] += groups
-            self.kept_by_worker[sk.worker] += kept_g
             self.names.setdefault(sk.version, []).append(shard_name(key))
             delta.append(LedgerEntry(key=key, outcome=outcome, rows=rows))
+        self.groups_by_worker, self.kept_by_worker = self.groups_with(batch, tallies)
         self.commits += 1
         return delta
+
+    def groups_with(self, batch: Batch, tallies: dict[str, tuple[int, int, int]] | None = None,
+                    ) -> tuple[Counter[int], Counter[int]]:
+        """Prompt groups and kept groups per rollout worker, committed so far plus `batch`'s
+        (`tallies` as in `record`)."""
+        groups, kept = Counter(self.groups_by_worker), Counter(self.kept_by_worker)
+        for key, table, _ in batch:
+            worker, n_groups, n_kept = (tallies or {}).get(key) or tally(key, table)
+            groups[worker] += n_groups
+            kept[worker] += n_kept
+        return groups, kept
 
     def forget_below(self, low: int) -> None:
         """Drop the names of closed versions (below the scanner's cursor)."""

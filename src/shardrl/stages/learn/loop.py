@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,10 +24,10 @@ from ..context import StageContext
 from ..policy import fetch_weights, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
-from ..staleness import effective_k
+from ..staleness import effective_k, standby_count
 from ..update import checkpoint_activations, update_loss
 from . import ranks
-from .buffer import COLUMNS, Batch, ReadyBuffer, tally
+from .buffer import COLUMNS, Batch, ReadyBuffer
 from .commit import Commit, Ledger, Writer
 from .offload import Check, CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
@@ -85,8 +84,9 @@ class Learner:
         self.barren = Barren()
         self.writer = Writer()
         rc = cfg.rollout
-        self.takes_read = not ctx.once and (rc.lead_counted_at == "take"
-                                            or (rc.standby.workers > 0 and rc.workers > 1))
+        self.takes_read = not ctx.once and (
+            (rc.lead_counted_at == "take" and cfg.inline_postprocess)
+            or standby_count(rc.standby.workers, rc.workers) > 0)
         """Whether a rollout worker reads the learner's takes (`took`)."""
         self.taken_writer = Writer()
         """The `Taken` records' own thread: a record waits behind the last one, not behind
@@ -220,12 +220,7 @@ class Learner:
         learner's time in steps (`Taken`), written on a thread of its own, off the step's
         path: a worker whose lead counts at the take resumes on it, and a standby
         worker reads from it how long the learner spends between steps, waiting for data."""
-        groups = Counter(self.ledger.groups_by_worker)
-        kept = Counter(self.ledger.kept_by_worker)
-        for key, table, _ in batch:
-            worker, n_groups, n_kept = self.buffer.tallies.get(key) or tally(key, table)
-            groups[worker] += n_groups
-            kept[worker] += n_kept
+        groups, kept = self.ledger.groups_with(batch, self.buffer.tallies)
         record = Taken(version=self.version, groups_by_worker=dict(groups),
                        kept_groups_by_worker=dict(kept), stepping_s=self.profile.stepping_s,
                        elapsed_s=time.monotonic() - self.profile.started)
