@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -272,3 +273,8 @@ def test_crash_anywhere_with_the_lead_from_the_take_and_the_weights_channel(tmp_
     assert sum(taken["kept_groups_by_worker"].values()) > 0
     logs = Path(store_path) / "runs" / run_id / "logs"
     assert "generating: the learner waited for data" in (logs / "rollout-1.log").read_text()
+    # the workers took versions from the channel, and the runner removed it at the end
+    taken_early = [int(m) for log in logs.glob("rollout*.log") for m in re.findall(
+        r"versions from the weights channel: (\d+)", log.read_text())]
+    assert taken_early and sum(taken_early) > 0, taken_early
+    assert not list(Path("/dev/shm").glob(f"shardrl-weights-{proc.pid}-*"))

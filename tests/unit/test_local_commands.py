@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardrl.config import load_config
+from shardrl.orchestrate import local as local_module
 from shardrl.orchestrate.local import LocalRun
 from shardrl.store import LocalStore
 
@@ -37,13 +38,19 @@ def test_a_multi_rank_learner_starts_under_torchrun(tmp_path):
     assert run.command("score", 0)[:3] == [sys.executable, "-m", "shardrl.cli"]
 
 
-def test_stages_share_cores_unless_pinned(tmp_path):
-    run = local_run(tmp_path, ["pipeline.local.cores={rollout: [0], learn: [1]}",
+@pytest.fixture
+def four_cores(monkeypatch):
+    """A machine with cores 0-3 online, whatever this one has."""
+    monkeypatch.setattr(local_module, "machine_cores", lambda: {0, 1, 2, 3})
+
+
+def test_stages_share_cores_unless_pinned(tmp_path, four_cores):
+    run = local_run(tmp_path, ["pipeline.local.cores={rollout: [0], learn: [3]}",
                                "pipeline.local.share_cores=true"])
     env, cpus = run.placement("rollout")
     assert cpus == {0} and "SHARDRL_CORE_SHARE" not in env and env["OMP_NUM_THREADS"] == "1"
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # stages share cores: no spinning threads
-    assert run.placement("learn")[1] == {1}
+    assert run.placement("learn")[1] == {3}
     env, cpus = run.placement("evaluate")
     assert cpus is None and env["SHARDRL_CORE_SHARE"] == str(tmp_path / "cores")
     assert (tmp_path / "cores").is_dir()
@@ -51,27 +58,56 @@ def test_stages_share_cores_unless_pinned(tmp_path):
     assert "SHARDRL_CORE_SHARE" not in off.placement("learn")[0]
 
 
-def test_one_rollout_worker_placed_apart_from_the_others(tmp_path, capsys):
-    """`rollout.N` keys place one worker; the stage's key places the rest; a pin naming
-    none of this machine's cores is dropped with a warning rather than failing the start."""
-    core = min(os.sched_getaffinity(0))
-    run = local_run(tmp_path, [f"pipeline.local.cores={{rollout.1: [{core}], rollout: [{core}, 100000]}}",
+def test_one_rollout_worker_placed_apart_from_the_others(tmp_path, capsys, four_cores):
+    """`rollout.N` keys place one worker; the stage's key places the rest; a pin keeps the
+    cores the machine has, saying which it dropped, and a pin naming none of them is dropped
+    with a warning rather than failing the start."""
+    run = local_run(tmp_path, ["pipeline.local.cores={rollout.1: [2], rollout: [1, 3, 9]}",
                                "pipeline.local.nice={rollout: 5, rollout.1: 19}"])
-    assert run.placement("rollout", 1)[1] == {core}
-    assert run.placement("rollout", 0)[1] == {core}  # core 100000 is not here
+    assert run.placement("rollout", 1)[1] == {2}
+    assert capsys.readouterr().err == ""
+    assert run.placement("rollout", 0)[1] == {1, 3}
+    assert capsys.readouterr().err == ("pipeline.local.cores: rollout worker 0 is pinned to "
+                                       "cores [1, 3, 9]; this machine has no core 9\n")
     local = run.cfg.pipeline.local
     assert [local.placed("nice", "rollout", w) for w in (0, 1, 2)] == [5, 19, 5]
     assert local.placed("nice", "learn", 0) is None
-    far = local_run(tmp_path, ["pipeline.local.cores={learn: [100000]}"])
+    far = local_run(tmp_path, ["pipeline.local.cores={learn: [7, 100000]}"])
     assert far.placement("learn")[1] is None
-    assert "none of which this machine has: it runs unpinned" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith("has no core 7, 100000: it runs unpinned\n")
     # null removes an entry set before (a preset's, in a file that extends it)
-    undone = local_run(tmp_path, [f"pipeline.local.cores={{rollout.0: [{core}], learn: [{core}]}}",
+    undone = local_run(tmp_path, ["pipeline.local.cores={rollout.0: [0], learn: [1]}",
                                   "pipeline.local.cores={rollout.0: null, learn: null}"])
     assert undone.placement("rollout", 0)[1] is None and undone.placement("learn")[1] is None
-    for bad in ("{rollout.x: [0]}", "{learn.1: [0]}", "{rollouts: [0]}"):
+    for bad in ("{rollout.x: [0]}", "{learn.1: [0]}", "{rollouts: [0]}", "{rollout.01: [0]}"):
         with pytest.raises(ValueError, match="name a looping stage"):
             load_config("demo", [f"pipeline.local.cores={bad}"])
+    with pytest.raises(ValueError, match=r"rollout.2` names no worker: rollout.workers is 2"):
+        load_config("demo", ["rollout.workers=2", "pipeline.local.nice={rollout.2: 19}"])
+
+
+def test_the_machines_cores_include_the_runners():
+    """A pin may name any online core, also one outside the runner's affinity."""
+    assert os.sched_getaffinity(0) <= local_module.machine_cores()
+
+
+def test_a_pin_the_container_refuses_leaves_the_stage_unpinned(tmp_path, monkeypatch):
+    """Online but outside this container's cores: the kernel refuses the affinity; the stage
+    starts anyway, unpinned, and its log says why."""
+    run = local_run(tmp_path, ["pipeline.local.fork=false", "pipeline.local.cores={learn: [0]}"])
+    monkeypatch.setattr(run, "command", lambda name, worker: [
+        sys.executable, "-c", "import os; os.write(1, str(sorted(os.sched_getaffinity(0))).encode())"])
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)  # the child runs the same code
+    proc = run.start("learn")
+    assert proc.popen.wait(timeout=30) == 0
+    said = proc.log.read_text()
+    assert said.startswith("pipeline.local.cores: cores [0] are not available here: this "
+                           "stage runs unpinned\n")
+    assert said.splitlines()[-1] == str(sorted(os.sched_getaffinity(0)))
 
 
 PROBE = ("import os; assert os.read(0, 1) == b''; os.write(1, ' '.join(map(str, ("
@@ -106,8 +142,8 @@ def test_generation_and_evaluation_yield_the_cores_to_the_learner(tmp_path, monk
     equal share of the CPU and niceness weighs only within one, so stages in sessions of
     their own would ignore it. Its standard input is empty, not the runner's (a background
     group reading the terminal would be stopped)."""
-    run = local_run(tmp_path, ["pipeline.local.fork=false",
-                               "pipeline.local.nice={rollout: 5, evaluate: 10}"])  # the default
+    run = local_run(tmp_path, ["pipeline.local.fork=false"])
+    assert run.cfg.pipeline.local.nice == {"rollout": 5, "evaluate": 10}  # the default
     monkeypatch.setattr(run, "command", lambda name, worker: [sys.executable, "-c", PROBE])
     base = os.nice(0)
     for name, more in (("rollout", 5), ("evaluate", 10), ("learn", 0)):

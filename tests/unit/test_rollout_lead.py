@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardrl.config import ConfigError, load_config
 from shardrl.config.stages import StandbyConfig
+from shardrl.stages import channel as channel_module
 from shardrl.stages.channel import ENV as CHANNEL_ENV
 from shardrl.stages.channel import MAX_BYTES, Channel
 from shardrl.stages.context import StageContext
@@ -46,6 +51,7 @@ def test_the_lead_counts_from_the_take(tmp_path):
     progress = committed(0, 16)
     # no take recorded yet: counted from the commit, 40 - 16 = 24 ahead, 8 over its 16
     assert f.full(progress) and f.room(progress) == 16 - 24
+    assert f.why == "24 kept groups not yet taken (cap 16)"  # the commit's count, as a take
     # the learner took 32 into the step it trains: 8 ahead, room for 8 more
     took(ctx, 0, 32)
     assert not f.full(progress) and f.room(progress) == 8
@@ -55,10 +61,12 @@ def test_the_lead_counts_from_the_take(tmp_path):
     # to generate with version 6 rather than 5
     took(ctx, 0, 32, version=6)
     assert f.full(progress) and f.room(progress) == 8
+    assert f.why == "waiting for version 6, which the learner took at"
     assert not f.full(committed(0, 16).model_copy(update={"version": 6}))
     # a take older than the commit (a restarted learner's) counts no further than the commit
     took(ctx, 0, 10)
     assert f.full(progress) and f.room(progress) == -8
+    assert f.why == "24 kept groups not yet taken (cap 16)"
 
 
 def test_the_lead_counts_from_the_commit_when_told_or_synchronous(tmp_path):
@@ -66,6 +74,7 @@ def test_the_lead_counts_from_the_commit_when_told_or_synchronous(tmp_path):
     f, ctx = flow(tmp_path, 0, kept=40, overrides=["rollout.lead_counted_at=commit"])
     took(ctx, 0, 40)
     assert not f.at_take and f.room(committed(0, 16)) == 32 - 24
+    assert f.full(committed(0, 0)) and f.why == "40 kept groups not yet committed (cap 32)"
     # k = 0 is synchronous: one step's share, counted from the commit, whatever was taken
     f, ctx = flow(tmp_path, 0, kept=40, overrides=["learner.max_staleness=0"])
     took(ctx, 0, 40)
@@ -80,6 +89,7 @@ def test_a_standby_worker_helps_with_the_first_batch_then_waits_to_be_called(tmp
     assert not f.full(progress)  # no step yet: the learner waits for its first batch
     took(ctx, 0, 16, version=0, stepping_s=0.0, elapsed_s=1.0)
     assert f.full(progress)  # one record says nothing about waiting yet: stand by
+    assert f.why == "standing by"
     took(ctx, 0, 32, version=0, stepping_s=0.1, elapsed_s=2.0)  # 90% of the last second waiting
     assert not f.full(progress) and f.room(progress) == 8
     # the other worker keeps its whole share and never stands by
@@ -94,8 +104,8 @@ def test_a_standby_worker_helps_with_the_first_batch_then_waits_to_be_called(tmp
 def test_standby_rule_by_hand(caplog):
     rule = Standby(StandbyConfig(workers=1, start=0.5, stop=0.1, window_steps=2))
 
-    def step(stepping_s, elapsed_s):
-        return rule.called(Taken(stepping_s=stepping_s, elapsed_s=elapsed_s),
+    def step(stepping_s, elapsed_s, learner="a"):
+        return rule.called(Taken(stepping_s=stepping_s, elapsed_s=elapsed_s, learner=learner),
                            logging.getLogger("t"))
 
     assert rule.called(None)  # before the learner's first step
@@ -111,6 +121,9 @@ def test_standby_rule_by_hand(caplog):
     assert not step(2.6, 5.0)  # (0.8, 3) -> (2.6, 5): 1 - 1.8 / 2 = 0.1, not above stop: off
     # a restarted learner's clock starts again from 0: the old marks are dropped
     assert not step(0.1, 0.5) and list(rule.marks) == [(0.1, 0.5)]
+    assert not step(0.9, 1.5) and len(rule.marks) == 2  # 1 - 0.8 / 1 = 0.2: off
+    # one that restarted and ran past the old clock before its first record: told by its id
+    assert not step(0.3, 9.0, learner="b") and list(rule.marks) == [(0.3, 9.0)]
 
 
 def test_standby_settings_are_checked_and_one_worker_always_generates(tmp_path):
@@ -137,6 +150,81 @@ def test_the_weights_channel_holds_the_newest_versions_until_cleared(tmp_path):
     assert not channel.publish(4, big) and channel.latest() == 3
     channel.clear()  # a learner that starts: nothing an earlier one made is handed on
     assert channel.latest() is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_full_channel_is_skipped_and_leaves_nothing_half_written(tmp_path, monkeypatch,
+                                                                  caplog):
+    """Shared memory full: the learner goes on (the workers wait for the commit) and the
+    folder still names the last version it holds; a learner killed mid-write leaves a
+    temporary file, which clearing removes."""
+    channel = Channel(tmp_path)
+    assert channel.publish(1, {"w": torch.ones(2)})
+    real = Path.write_bytes
+
+    def full(self, data):
+        real(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with caplog.at_level(logging.WARNING, logger="shardrl.stages.channel"):
+        assert not channel.publish(2, {"w": torch.zeros(2)})
+    monkeypatch.undo()
+    assert "version 2 not written (" in caplog.text and "No space left" in caplog.text
+    assert channel.latest() == 1 and torch.equal(channel.load(1)["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001.safetensors", "version"]
+    (tmp_path / ".v00000002.safetensors.4242.tmp").write_bytes(b"half")
+    channel.clear()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_channel_folders_of_runners_that_are_gone_are_swept(tmp_path):
+    """A runner killed before it removed its folder: the next one to make a folder in the
+    same place removes it; a running runner's folder and other folders stay."""
+    ours = channel_module.make(tmp_path)
+    assert ours.parent == tmp_path and ours.name.startswith(f"shardrl-weights-{os.getpid()}-")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f"shardrl-weights-{gone.stdout.strip()}-x1"
+    stale.mkdir()
+    (stale / "v00000003.safetensors").write_bytes(b"weights")
+    other = tmp_path / "shardrl-weights-notes"
+    other.mkdir()
+    again = channel_module.make(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name, again.name, other.name])
+
+
+def test_the_runner_empties_the_channel_when_the_learner_fails(tmp_path, monkeypatch):
+    """Versions a failed learner named may never be committed: the runner removes them when
+    it sees the exit, before the backoff, not when the restarted learner gets to it."""
+    from shardrl.orchestrate import local
+
+    cfg = load_config("demo", ["pipeline.local.weights_channel=true", "pipeline.max_restarts=1"])
+    run = local.LocalRun(cfg, "r1", str(tmp_path), LocalStore(str(tmp_path)), tmp_path,
+                         tmp_path / "config.yaml")
+    run.channel = tmp_path / "channel"
+    run.channel.mkdir()
+    Channel(run.channel).publish(5, {"w": torch.ones(1)})
+    exits = iter([1])
+
+    class Failed:
+        def poll(self):
+            return next(exits, None)
+
+    run.procs = [local.Proc("learn", 0, Failed(), tmp_path / "learn.log")]
+    seen = []
+
+    class Monitor:
+        def say(self, text):
+            seen.append((text, Channel(run.channel).latest()))
+            raise KeyboardInterrupt  # stop the loop at its first report
+
+        def tick(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        local.supervise(run, Monitor(), lambda: False)
+    assert seen == [("learn exited with 1; restarting in 1 s (1/1)", None)]
+    assert list(run.channel.iterdir()) == []
 
 
 def test_a_worker_waits_for_the_version_the_learner_took_at(tmp_path, monkeypatch):

@@ -15,7 +15,9 @@ from shardrl.stages.staleness import (
     keep_rate,
     kept_backlog,
     lead_cap,
+    standby_count,
     step_ready,
+    steps_ahead,
     worker_share,
 )
 
@@ -44,10 +46,11 @@ def test_admission_is_lag_at_most_k():
 def test_backlog_cap_in_kept_groups_bounded_by_k():
     # B=16 over 2 workers: 8 groups each; one step beyond the one being trained
     assert worker_share(16, 2) == 8 and worker_share(16, 3) == 6  # rounded up
-    assert backlog_cap(worker_share(16, 2), min(1, 8)) == 16
-    assert backlog_cap(16, min(3, 8)) == 64
-    assert backlog_cap(16, min(3, 2)) == 48  # never beyond k steps ahead
-    assert backlog_cap(16, min(3, 0)) == 16  # synchronous: one step
+    assert steps_ahead(1, 8) == 1 and steps_ahead(3, 2) == 2 and steps_ahead(3, 0) == 0
+    assert backlog_cap(worker_share(16, 2), steps_ahead(1, 8)) == 16
+    assert backlog_cap(16, steps_ahead(3, 8)) == 64
+    assert backlog_cap(16, steps_ahead(3, 2)) == 48  # never beyond k steps ahead
+    assert backlog_cap(16, steps_ahead(3, 0)) == 16  # synchronous: one step
     # counted from the take, the step being trained no longer counts
     assert lead_cap(8, 1) == 8 and lead_cap(16, 3) == 48
 
@@ -95,7 +98,7 @@ def test_a_worker_paused_on_kept_groups_and_one_paused_on_groups_do_not_deadlock
     # at k=0, B=16, 2 workers (cap 8 kept groups, 64 of any kind): worker 0 is paused with
     # 8 kept of 24 waiting, worker 1 with 5 kept of 64 waiting; 13 kept and 88 groups fill
     # neither a batch nor the 128-group limit, but worker 1's 64 groups make the step
-    cap = backlog_cap(worker_share(16, 2), min(1, 0))
+    cap = backlog_cap(worker_share(16, 2), steps_ahead(1, 0))
     assert (cap, group_cap(cap)) == (8, 64)
     assert step_ready(8 + 5, 24 + 64, 64, 16, 2)
 
@@ -108,7 +111,7 @@ def test_once_every_worker_is_paused_the_learner_can_step(batch, workers, backlo
     """The invariant the flow control rests on: a worker pauses at its cap of kept groups or
     at its cap of groups of any kind; whatever mix of the two the workers are paused in, the
     groups they left for the learner make a step."""
-    cap = backlog_cap(worker_share(batch, workers), min(backlog_steps, k))
+    cap = backlog_cap(worker_share(batch, workers), steps_ahead(backlog_steps, k))
     kept, groups = [], []
     for _ in range(workers):
         if data.draw(st.booleans()):  # paused on kept groups
@@ -117,6 +120,39 @@ def test_once_every_worker_is_paused_the_learner_can_step(batch, workers, backlo
         else:  # paused on groups of any kind, however few of them were kept
             n_groups = data.draw(st.integers(group_cap(cap), 2 * group_cap(cap)))
             n_kept = data.draw(st.integers(0, min(cap - 1, n_groups)))
+        kept.append(n_kept)
+        groups.append(n_groups)
+    assert step_ready(sum(kept), sum(groups), max(groups), batch, workers)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8), st.integers(0, 9), st.integers(0, 4),
+       st.integers(0, 16), st.booleans(), st.data())
+def test_with_standby_workers_and_the_lead_from_the_take_the_learner_can_step_too(
+        batch, workers, standby_setting, backlog_steps, k, at_take, data):
+    """The same with unequal shares: the last `standby_count` workers (share B / W) may all
+    stand by, writing nothing, while the others (share B / (W - S)) are paused; with the lead
+    counted from the take a worker pauses on kept groups at `lead_cap` of those not yet
+    taken, which for a learner waiting for data are all those not yet committed."""
+    standby = standby_count(standby_setting, workers)
+    assert 0 <= standby < workers
+    ahead = steps_ahead(backlog_steps, k)
+    kept, groups = [], []
+    for worker in range(workers):
+        on_standby = worker >= workers - standby
+        if on_standby and data.draw(st.booleans()):  # not called in: may have written nothing
+            kept.append(0)
+            groups.append(0)
+            continue
+        share = worker_share(batch, workers if on_standby or not standby else workers - standby)
+        cap = backlog_cap(share, ahead)  # its group cap counts from it in both modes
+        kept_cap = lead_cap(share, ahead) if at_take and ahead >= 1 else cap
+        if data.draw(st.booleans()):  # paused on kept groups
+            n_kept = data.draw(st.integers(kept_cap, 4 * kept_cap))
+            n_groups = data.draw(st.integers(n_kept, n_kept + group_cap(cap) - 1))
+        else:  # paused on groups of any kind
+            n_groups = data.draw(st.integers(group_cap(cap), 2 * group_cap(cap)))
+            n_kept = data.draw(st.integers(0, min(kept_cap - 1, n_groups)))
         kept.append(n_kept)
         groups.append(n_groups)
     assert step_ready(sum(kept), sum(groups), max(groups), batch, workers)

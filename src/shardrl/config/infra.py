@@ -106,15 +106,16 @@ class LocalConfig(Section):
     """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
     every core. `rollout.N` places rollout worker N alone (`{rollout.0: [0], learn: [1]}`)
     and takes precedence over `rollout`; null removes an entry (a preset's, in a file that
-    extends it). Pinning disables sharing for the pinned stages; a pin that names none of this
-    machine's cores is ignored, with a warning."""
+    extends it). Pinning disables sharing for the pinned stages; cores this machine does not have
+    online are dropped with a warning, and a pin left with none is ignored."""
     nice: dict[str, int] = {"rollout": 5, "evaluate": 10}
     """Scheduling niceness of stages on shared cores (0-19; higher yields the CPU to lower).
     The learner makes the versions, so it goes first: while it is the bottleneck (the rollout
     workers ahead, at their backlog cap) the workers' generation, which it cannot use yet,
     and the evaluations would slow it if they had equal shares; niced, they run on the cycles
     it leaves, and once it waits for data they have the cores to themselves. `{}`: equal.
-    `rollout.N` sets worker N's alone, as in `cores`."""
+    `rollout.N` sets worker N's alone, as in `cores`. A dict given replaces this default
+    whole: repeat the entries to keep."""
 
     @field_validator("nice")
     @classmethod
@@ -145,7 +146,8 @@ class LocalConfig(Section):
 def _placed(key: str, setting: str) -> None:
     """Check a `cores` or `nice` key: a looping stage, or `rollout.N` for one worker."""
     name, dot, worker = key.partition(".")
-    if name not in LOOPING or (dot and (name != "rollout" or not worker.isdigit())):
+    if name not in LOOPING or (dot and (name != "rollout" or not worker.isdigit()
+                                        or worker != str(int(worker)))):
         raise ValueError(f"pipeline.local.{setting}.{key}: name a looping stage "
                          f"({', '.join(LOOPING)}) or one rollout worker, as rollout.0")
 

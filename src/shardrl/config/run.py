@@ -117,6 +117,15 @@ class RunConfig(Section):
         if self.rollout.postprocess == "inline" and (reason := self.inline_blocker()):
             errors.append(f"`rollout.postprocess: inline` {reason}: set "
                           "`rollout.postprocess: stages` (or auto)")
+        local = self.pipeline.local
+        for setting in ("cores", "nice"):
+            for key in getattr(local, setting):
+                name, _, worker = key.partition(".")
+                if name == "rollout" and worker and int(worker) >= self.rollout.workers:
+                    errors.append(
+                        f"`pipeline.local.{setting}.{key}` names no worker: rollout.workers "
+                        f"is {self.rollout.workers} (workers rollout.0 to "
+                        f"rollout.{self.rollout.workers - 1})")
         if errors:
             raise ValueError("; ".join(errors))
         return self

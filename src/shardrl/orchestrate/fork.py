@@ -99,7 +99,7 @@ class Forked:
 def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
                child_setup: Callable[[], None]) -> Forked:
     """Run `shardrl ARGV...` in a forked child writing to `log`; `child_setup` runs in the
-    child first (death signal, affinity)."""
+    child before the stage (death signal, affinity, niceness)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # or the child would write the runner's buffered output again
     pid = os.fork()
@@ -110,7 +110,6 @@ def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
         os.setpgid(0, 0)  # a group of its own, in the runner's session (`LocalRun.start`)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        child_setup()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -118,6 +117,7 @@ def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
         fd = os.open(os.devnull, os.O_RDONLY)  # a read of the runner's terminal would stop it
         os.dup2(fd, 0)
         os.close(fd)
+        child_setup()  # after the redirects, as a subprocess's: what it says goes to the log
         os.environ.update(env)
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.prctl(_PR_SET_NAME, process_title(name).encode(), 0, 0, 0)

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent
 from ..stages import EXIT_STORE_UNAVAILABLE
-from ..stages.channel import ENV as CHANNEL_ENV
+from ..stages import channel as weights_channel
 from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
@@ -87,16 +86,18 @@ class LocalRun:
         env = {"SHARDRL_THREADS": threads, "OMP_NUM_THREADS": threads,
                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}
         if self.channel is not None:
-            env[CHANNEL_ENV] = str(self.channel)
+            env[weights_channel.ENV] = str(self.channel)
         local = self.cfg.pipeline.local
         pinned = local.placed("cores", name, worker)
         if pinned is not None:
-            here = set(pinned) & os.sched_getaffinity(0)
+            here = set(pinned) & machine_cores()
+            if here != set(pinned):
+                print(f"pipeline.local.cores: {name} worker {worker} is pinned to cores "
+                      f"{sorted(pinned)}; this machine has no core "
+                      f"{', '.join(map(str, sorted(set(pinned) - here)))}"
+                      + ("" if here else ": it runs unpinned"), file=sys.stderr, flush=True)
             if here:
                 return env, here
-            print(f"pipeline.local.cores: {name} worker {worker} is pinned to cores "
-                  f"{sorted(pinned)}, none of which this machine has: it runs unpinned",
-                  file=sys.stderr, flush=True)
         if local.share_cores:
             share = self.log_dir / "cores"
             share.mkdir(exist_ok=True)
@@ -122,7 +123,11 @@ class LocalRun:
             if die is not None:
                 die()
             if cpus is not None:  # before exec: every thread of the stage inherits it
-                os.sched_setaffinity(0, cpus)
+                try:
+                    os.sched_setaffinity(0, cpus)
+                except OSError:  # online, but outside the cores this container may use
+                    os.write(2, f"pipeline.local.cores: cores {sorted(cpus)} are not "
+                                "available here: this stage runs unpinned\n".encode())
             if nice:
                 os.nice(nice)
 
@@ -229,9 +234,8 @@ def run(args) -> int:
         interrupted = True
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
-    if lr.cfg.pipeline.local.weights_channel:  # in memory where the machine has it
-        lr.channel = Path(tempfile.mkdtemp(prefix="shardrl-weights-",
-                                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    if lr.cfg.pipeline.local.weights_channel:
+        lr.channel = weights_channel.make()
     try:
         fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
         # the looping stages start first and wait for run.json: their start-up (forking or
@@ -271,6 +275,20 @@ def run(args) -> int:
             shutil.rmtree(lr.channel, ignore_errors=True)
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
+
+
+def machine_cores() -> set[int]:
+    """The cores this machine has online (a pin may name any of them, also one outside the
+    runner's own affinity)."""
+    try:
+        spans = Path("/sys/devices/system/cpu/online").read_text().strip().split(",")
+    except OSError:
+        return set(range(os.cpu_count() or 1))
+    cores: set[int] = set()
+    for span in spans:
+        first, _, last = span.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def resume_hint(lr: LocalRun) -> str:
@@ -320,6 +338,9 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 continue
             running += 1
             if p.restart_at is None:
+                if p.name == "learn" and lr.channel is not None:
+                    # versions it named and may not have committed: gone before the backoff
+                    weights_channel.Channel(lr.channel).clear()
                 marker = Aborted.read(lr.store, lr.keys.aborted(), optional=True)
                 if marker is not None:  # the stage (or another) stopped the run for good
                     monitor.say(f"run aborted: {marker.describe()}")

@@ -6,16 +6,21 @@ it) and removes it when the run ends. At each commit call the learner writes the
 version's weights there (safetensors, then a `version` file naming it: a rename each, no
 fsync) before the commit's store writes, which take it about 10 ms more to land; a rollout
 worker that wants a version newer than the store's takes it from the folder. The store
-stays the record: the channel holds the last `KEEP` versions and nothing else, and a learner
-that starts (or restarts) empties it, so a worker never takes a version from it that a
-restarted learner has not made (one it took before that learner's crash is the one
-difference: its shards name a version the new learner will make again, from its own batch;
-they train as any sample does, on their recorded log-probabilities).
+stays the record: the channel holds the last `KEEP` versions and nothing else; the runner
+empties it as soon as it sees the learner fail, and a learner empties it as it starts, so a
+worker never takes a version from it that a restarted learner has not made (one it took
+before that learner's crash is the one difference: its shards name a version the new learner
+will make again, from its own batch; they train as any sample does, on their recorded
+log-probabilities). The channel is only a shortcut: a version the folder refuses (shared
+memory full) is logged and skipped, and the workers wait for its commit.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +33,10 @@ KEEP = 2
 """Versions the folder holds."""
 MAX_BYTES = 64 << 20
 """Largest weights the learner writes there, on its step's path (the demo's: under 1 MiB)."""
+PREFIX = "shardrl-weights-"
+"""Start of a channel folder's name; the runner's process id follows (see `sweep`)."""
+
+log = logging.getLogger(__name__)
 
 
 class Channel:
@@ -45,17 +54,28 @@ class Channel:
 
     def _replace(self, name: str, data: bytes) -> None:
         tmp = self.path / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.path / name)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.path / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> bool:
-        """Write `version`'s weights, then name it; False (nothing written) when they are
-        larger than `MAX_BYTES`."""
+        """Write `version`'s weights, then name it; False when nothing was named: the
+        weights are larger than `MAX_BYTES`, or the folder refused them (full shared memory:
+        the channel is only a shortcut, so the learner goes on and workers wait for the
+        commit)."""
         if sum(t.numel() * t.element_size() for t in weights.values()) > MAX_BYTES:
             return False
-        self._replace(self._file(version).name,
-                      st_save({k: t.detach().contiguous() for k, t in weights.items()}))
-        self._replace("version", str(version).encode())
+        try:
+            self._replace(self._file(version).name,
+                          st_save({k: t.detach().contiguous() for k, t in weights.items()}))
+            self._replace("version", str(version).encode())
+        except OSError as exc:
+            self._file(version).unlink(missing_ok=True)
+            log.warning("weights channel %s: version %d not written (%s); workers take it "
+                        "from the store", self.path, version, exc)
+            return False
         self._file(version - KEEP).unlink(missing_ok=True)
         return True
 
@@ -74,7 +94,41 @@ class Channel:
             return None
 
     def clear(self) -> None:
-        """Remove every version (a learner that starts: the store is the record)."""
+        """Remove every version and any half-written file (before a learner starts, and as
+        it starts: the store is the record)."""
         (self.path / "version").unlink(missing_ok=True)
-        for entry in self.path.glob("v*.safetensors"):
-            entry.unlink(missing_ok=True)
+        for pattern in ("v*.safetensors", ".*.tmp"):
+            for entry in self.path.glob(pattern):
+                entry.unlink(missing_ok=True)
+
+
+def make(parent: str | Path | None = None) -> Path:
+    """A new channel folder for this process's run, in shared memory where the machine has
+    it, after removing the folders of runners that are gone (`sweep`)."""
+    if parent is None:
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    sweep(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+
+
+def sweep(parent: str | Path) -> list[Path]:
+    """Remove the channel folders in `parent` whose runner no longer runs (one killed before
+    it could remove its own); returns them."""
+    gone = []
+    for folder in Path(parent).glob(f"{PREFIX}*-*"):
+        pid = folder.name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        gone.append(folder)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

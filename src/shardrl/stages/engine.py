@@ -22,6 +22,8 @@ class PolicyEngine:
         model, self.tokenizer = (base.take() if base is not None
                                  else load_policy(ctx.store, ctx.keys, 0, ctx.cache_dir()))
         self.weights = PolicyWeights()
+        self.from_channel = 0
+        """Versions loaded from the weights channel (`take`)."""
         self.prompt_format = PromptFormat.from_config(ctx.cfg)
         self.prompt_format.check(self.tokenizer)
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)
@@ -64,6 +66,7 @@ class PolicyEngine:
         # commit, its restart makes a different one, and deltas applied to this would drift
         self.weights.state, self.weights.version = {}, None
         self.engine.load_weights(state, version)
+        self.from_channel += 1
         return True
 
     def encode(self, prompts: list[str]) -> list[list[int]]:

@@ -29,6 +29,7 @@ from .staleness import (
     kept_backlog,
     lead_cap,
     standby_count,
+    steps_ahead,
     worker_share,
 )
 
@@ -52,7 +53,8 @@ def main(ctx: StageContext) -> int:
         from .inline import InlinePostprocess
 
         post = InlinePostprocess(ctx)
-        post.recover(state.version, ctx.latest_version() or 0)
+        # its last shards may name a version newer than the store's (the weights channel's)
+        post.recover(state.version, max(ctx.latest_version() or 0, state.version))
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
     engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s), base)
@@ -75,7 +77,7 @@ def main(ctx: StageContext) -> int:
                 # its lost shard
                 writes = _settled(writes)
                 if paused is None:
-                    ctx.log.info("backlog of %.0f kept groups: pausing", flow.backlog(progress))
+                    ctx.log.info("pausing: %s", flow.why)
                     paused = time.monotonic()
                 flow.pause(rc.poll_interval_s)
                 continue
@@ -154,6 +156,9 @@ def main(ctx: StageContext) -> int:
         writer.shutdown()  # waits for the writes still queued
         if post is not None:
             post.flush()
+        if channel is not None:
+            ctx.log.info("versions from the weights channel: %d (the others from the store)",
+                         engine.from_channel)
     _settled(writes)
     return 0
 
@@ -229,6 +234,8 @@ class Flow:
         that generate throughout (each standby worker's: split among all)."""
         self.at_take = exact and not ctx.once and rc.lead_counted_at == "take"
         self.taken: Taken | None = None
+        self.why = ""
+        """Why `full` last said to pause, for the log."""
         """The learner's last `Taken` record, read by `full` (and used by `batch` after it)."""
         self.groups = state.groups_written
         self.kept = state.kept_written
@@ -273,22 +280,27 @@ class Flow:
         return backlog(progress, self.ctx.worker, self.groups, None, buffered)
 
     def ahead(self, progress: Progress) -> int:
-        """`min(max_backlog_steps, k)`: the steps a worker may run ahead of the learner."""
+        """The steps a worker may run ahead of the learner (`staleness.steps_ahead`)."""
         cfg = self.ctx.cfg
         lc = cfg.learner
         k = effective_k(lc.max_staleness, progress.version, lc.total_steps,
                         lc.halve_staleness_at)
-        return min(cfg.rollout.max_backlog_steps, k)
+        return steps_ahead(cfg.rollout.max_backlog_steps, k)
 
     def cap(self, progress: Progress) -> int:
         """Kept groups not yet committed at which the worker pauses."""
         return backlog_cap(self.share, self.ahead(progress))
 
+    def from_take(self, progress: Progress) -> bool:
+        """Whether the lead counts from the learner's take now (`lead_counted_at: take`,
+        and at least one step ahead allowed)."""
+        return self.at_take and self.ahead(progress) >= 1
+
     def room(self, progress: Progress) -> float:
         """Kept groups the worker may still write before it pauses: counted from the take
         (`lead_counted_at: take`, when it applies), else from the commit."""
-        ahead = self.ahead(progress)
-        if self.at_take and ahead >= 1:
+        if self.from_take(progress):
+            ahead = self.ahead(progress)
             worker = self.ctx.worker
             taken = self.taken.kept_groups_by_worker.get(worker, 0) if self.taken else 0
             done = max(taken, progress.kept_groups_by_worker.get(worker, 0))
@@ -308,13 +320,23 @@ class Flow:
         if self.at_take or self.standby is not None:
             self.taken = Taken.read(self.ctx.store, self.ctx.keys.taken(), optional=True)
         if self.standby is not None and not self.standby.called(self.taken, self.ctx.log):
+            self.why = "standing by"
             return True
         if self.at_take and self.taken is not None and self.taken.version > self.newest(progress):
             # the version the learner took its batch at is on its way: generate with it, not
             # with the one before (two behind at the next take)
+            self.why = f"waiting for version {self.taken.version}, which the learner took at"
             return True
-        return (self.room(progress) <= 0
-                or self.waiting_groups(progress) >= group_cap(self.cap(progress)))
+        if (room := self.room(progress)) <= 0:
+            take = self.from_take(progress)
+            limit = lead_cap(self.share, self.ahead(progress)) if take else self.cap(progress)
+            self.why = (f"{limit - room:.0f} kept groups not yet "
+                        f"{'taken' if take else 'committed'} (cap {limit})")
+            return True
+        if self.waiting_groups(progress) >= group_cap(self.cap(progress)):
+            self.why = f"{self.waiting_groups(progress)} groups not yet committed"
+            return True
+        return False
 
     def pause(self, timeout: float) -> None:
         """Wait for the learner's next commit (or `timeout`)."""
@@ -384,6 +406,8 @@ class Standby:
         self.marks: deque[tuple[float, float]] = deque(maxlen=cfg.window_steps + 1)
         """(stepping_s, elapsed_s) of the learner's last records, oldest first."""
         self.on = False
+        self.learner: str | None = None
+        """The learner process the marks came from (`Taken.learner`)."""
 
     def waiting_share(self) -> float | None:
         """The learner's share of wall time between steps (waiting for data, reading it)
@@ -398,8 +422,9 @@ class Standby:
         if taken is None:
             return True
         mark = (taken.stepping_s, taken.elapsed_s)
-        if self.marks and mark[1] < self.marks[-1][1]:  # a restarted learner's clock
-            self.marks.clear()
+        if taken.learner != self.learner or (self.marks and mark[1] < self.marks[-1][1]):
+            self.marks.clear()  # a restarted learner: its clock started again
+            self.learner = taken.learner
         if not self.marks or mark != self.marks[-1]:
             self.marks.append(mark)
         share = self.waiting_share()

@@ -50,10 +50,16 @@ once this many times its cap of kept groups are waiting, kept or not, so a run w
 are all filtered does not fill the store."""
 
 
+def steps_ahead(max_backlog_steps: int, k: int) -> int:
+    """Steps a rollout worker may run ahead of the one the learner trains on: its
+    `rollout.max_backlog_steps`, never beyond the staleness bound `k` (0: synchronous)."""
+    return min(max_backlog_steps, k)
+
+
 def backlog_cap(share: int, ahead: int) -> int:
     """Kept prompt groups not yet committed that a worker may have before it pauses: its
-    `share` of a step for the step being trained and for each of the `ahead` =
-    `min(max_backlog_steps, k)` steps it may run ahead."""
+    `share` of a step for the step being trained and for each of the `ahead`
+    (`steps_ahead`) steps it may run ahead."""
     return share * (1 + ahead)
 
 

@@ -115,6 +115,9 @@ class Taken(Record):
     one; the rest of `elapsed_s` it waited for data and read it."""
     elapsed_s: float = 0.0
     """Seconds since the learner process started its loop (it restarts from 0 with it)."""
+    learner: str = ""
+    """Which learner process wrote it, new at each start: a change means the times above
+    restarted."""
 
 
 class LedgerEntry(Record):

@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "ab") as out:
         process = subprocess.Popen(command(folder, settings["ports"]), stdout=out,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # before the variables are printed: whoever reads them may stop the server at once
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not _ready(args.port, process, timeout_s=60):
             print(f"SeaweedFS did not start; see {log}", file=sys.stderr)
@@ -158,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
               "  .venv/bin/shardrl run configs/demo.yaml --store s3://demo/exp1 --create-bucket\n"
               "Ctrl-C stops the server; the data and the credentials stay for the next start.",
               flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)
         return process.wait() or 0
     except KeyboardInterrupt:
         return 0

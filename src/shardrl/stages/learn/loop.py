@@ -89,6 +89,8 @@ class Learner:
             or standby_count(rc.standby.workers, rc.workers) > 0)
         """Whether a rollout worker reads the learner's takes (`took`)."""
         self.taken_writer = Writer()
+        self.start_id = f"{os.getpid()}-{time.time_ns()}"
+        """This learner process's start, in its `Taken` records."""
         """The `Taken` records' own thread: a record waits behind the last one, not behind
         the last commit's writes."""
         # the cursor is written after the commits queued before it: it never closes a
@@ -217,13 +219,15 @@ class Learner:
 
     def took(self, batch: Batch) -> None:
         """Record, as the step on `batch` starts, the groups committed or taken so far and the
-        learner's time in steps (`Taken`), written on a thread of its own, off the step's
-        path: a worker whose lead counts at the take resumes on it, and a standby
-        worker reads from it how long the learner spends between steps, waiting for data."""
+        learner's time in steps (`Taken`): a worker whose lead counts at the take resumes on
+        it, and a standby worker reads from it how long the learner spends between steps,
+        waiting for data. Written on a thread of its own, not behind the commits; the step
+        waits only for the previous step's record, written long before."""
         groups, kept = self.ledger.groups_with(batch, self.buffer.tallies)
         record = Taken(version=self.version, groups_by_worker=dict(groups),
                        kept_groups_by_worker=dict(kept), stepping_s=self.profile.stepping_s,
-                       elapsed_s=time.monotonic() - self.profile.started)
+                       elapsed_s=time.monotonic() - self.profile.started,
+                       learner=self.start_id)
         self.taken_writer.submit(record.write, self.ctx.store, self.ctx.keys.taken())
 
     def step(self, batch: Batch, every_round: bool | None = None) -> None:
