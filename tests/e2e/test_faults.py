@@ -241,7 +241,7 @@ def test_crash_anywhere_loses_and_doubles_nothing(tmp_path, undisturbed):
 
 ARRANGED = """tracking: {enabled: false}
 rollout: {lead_counted_at: take, standby: {workers: 1, start: 0.2, stop: 0.05, window_steps: 2}}
-pipeline: {local: {weights_channel: true, nice: {rollout.1: 19}}}
+pipeline: {local: {weights_channel: true, nice: {rollout: 5, evaluate: 10, rollout.1: 19}}}
 """
 """The lead counted from the take, worker 1 standing by (called in early), new weights through
 the runner's channel: the learner's restart must empty the channel and nothing is lost."""

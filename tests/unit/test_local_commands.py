@@ -68,27 +68,54 @@ def test_one_rollout_worker_placed_apart_from_the_others(tmp_path, capsys, four_
     assert capsys.readouterr().err == ""
     assert run.placement("rollout", 0)[1] == {1, 3}
     assert capsys.readouterr().err == ("pipeline.local.cores: rollout worker 0 is pinned to "
-                                       "cores [1, 3, 9]; this machine has no core 9\n")
+                                       "cores [1, 3, 9]; not available here (the runner's "
+                                       "cpuset or online cores): 9\n")
     local = run.cfg.pipeline.local
     assert [local.placed("nice", "rollout", w) for w in (0, 1, 2)] == [5, 19, 5]
     assert local.placed("nice", "learn", 0) is None
     far = local_run(tmp_path, ["pipeline.local.cores={learn: [7, 100000]}"])
     assert far.placement("learn")[1] is None
-    assert capsys.readouterr().err.endswith("has no core 7, 100000: it runs unpinned\n")
+    assert capsys.readouterr().err.endswith("online cores): 7, 100000: it runs unpinned\n")
     # null removes an entry set before (a preset's, in a file that extends it)
     undone = local_run(tmp_path, ["pipeline.local.cores={rollout.0: [0], learn: [1]}",
                                   "pipeline.local.cores={rollout.0: null, learn: null}"])
     assert undone.placement("rollout", 0)[1] is None and undone.placement("learn")[1] is None
-    for bad in ("{rollout.x: [0]}", "{learn.1: [0]}", "{rollouts: [0]}", "{rollout.01: [0]}"):
+    for bad in ("{rollout.x: [0]}", "{learn.1: [0]}", "{rollouts: [0]}", "{rollout.01: [0]}",
+                "{rollout.²: [0]}"):
         with pytest.raises(ValueError, match="name a looping stage"):
             load_config("demo", [f"pipeline.local.cores={bad}"])
     with pytest.raises(ValueError, match=r"rollout.2` names no worker: rollout.workers is 2"):
         load_config("demo", ["rollout.workers=2", "pipeline.local.nice={rollout.2: 19}"])
+    # an entry removed with null names nothing
+    load_config("demo", ["rollout.workers=2", "pipeline.local.cores={rollout.2: [0]}",
+                         "pipeline.local.cores={rollout.2: null}"])
 
 
 def test_the_machines_cores_include_the_runners():
-    """A pin may name any online core, also one outside the runner's affinity."""
+    """A pin may name any core of the runner's cpuset, also one outside its affinity."""
     assert os.sched_getaffinity(0) <= local_module.machine_cores()
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1", "online"])
+def test_pins_are_bounded_by_the_containers_cpuset(tmp_path, layout):
+    """The cores a pin may name: the runner's cgroup cpuset (v2 or v1), else online cores."""
+    proc, sys_fs = tmp_path / "proc", tmp_path / "sys"
+    (proc / "self").mkdir(parents=True)
+    online = sys_fs / "devices" / "system" / "cpu" / "online"
+    online.parent.mkdir(parents=True)
+    online.write_text("0-15\n")
+    if layout == "v2":
+        (proc / "self" / "cgroup").write_text("0::/pod/box\n")
+        where = sys_fs / "fs" / "cgroup" / "pod" / "box" / "cpuset.cpus.effective"
+    else:
+        (proc / "self" / "cgroup").write_text("4:memory:/x\n3:cpuset:/box\n0::/\n")
+        where = sys_fs / "fs" / "cgroup" / "cpuset" / "box" / "cpuset.effective_cpus"
+    if layout != "online":
+        where.parent.mkdir(parents=True)
+        where.write_text("2-3,8\n")
+    cores = local_module.machine_cores(proc, sys_fs)
+    assert cores == (set(range(16)) if layout == "online" else {2, 3, 8})
+    assert local_module.cpu_list("0,4-5,9") == {0, 4, 5, 9}
 
 
 def test_a_pin_the_container_refuses_leaves_the_stage_unpinned(tmp_path, monkeypatch):

@@ -168,8 +168,10 @@ def test_a_full_channel_is_skipped_and_leaves_nothing_half_written(tmp_path, mon
     monkeypatch.setattr(Path, "write_bytes", full)
     with caplog.at_level(logging.WARNING, logger="shardrl.stages.channel"):
         assert not channel.publish(2, {"w": torch.zeros(2)})
+        assert not channel.publish(3, {"w": torch.zeros(2)})
     monkeypatch.undo()
     assert "version 2 not written (" in caplog.text and "No space left" in caplog.text
+    assert "version 3" not in caplog.text and channel.refused == 2  # said once
     assert channel.latest() == 1 and torch.equal(channel.load(1)["w"], torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001.safetensors", "version"]
     (tmp_path / ".v00000002.safetensors.4242.tmp").write_bytes(b"half")
@@ -179,18 +181,38 @@ def test_a_full_channel_is_skipped_and_leaves_nothing_half_written(tmp_path, mon
 
 def test_channel_folders_of_runners_that_are_gone_are_swept(tmp_path):
     """A runner killed before it removed its folder: the next one to make a folder in the
-    same place removes it; a running runner's folder and other folders stay."""
-    ours = channel_module.make(tmp_path)
-    assert ours.parent == tmp_path and ours.name.startswith(f"shardrl-weights-{os.getpid()}-")
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    stale = tmp_path / f"shardrl-weights-{gone.stdout.strip()}-x1"
-    stale.mkdir()
-    (stale / "v00000003.safetensors").write_bytes(b"weights")
-    other = tmp_path / "shardrl-weights-notes"
-    other.mkdir()
-    again = channel_module.make(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name, again.name, other.name])
+    same place removes it. A folder whose runner still holds its lock stays (in another
+    process namespace too: the lock, not a process id, tells), and so do other folders and
+    a folder too new to have its lock yet."""
+    ours, lock = channel_module.make(tmp_path)
+    assert ours.parent == tmp_path and ours.name.startswith("shardrl-weights-")
+    make = ("import sys, time; from shardrl.stages import channel; "
+            "folder, _ = channel.make(sys.argv[1]); print(folder, flush=True); "
+            "time.sleep(float(sys.argv[2]))")
+    live = subprocess.Popen([sys.executable, "-c", make, str(tmp_path), "60"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        running = Path(live.stdout.readline().strip())
+        gone = subprocess.run([sys.executable, "-c", make, str(tmp_path), "0"],
+                              capture_output=True, text=True, check=True)
+        stale = Path(gone.stdout.strip())
+        (stale / "v00000003.safetensors").write_bytes(b"weights")
+        other = tmp_path / "notes"
+        other.mkdir()
+        unlocked = tmp_path / "shardrl-weights-new"
+        unlocked.mkdir()
+        old = tmp_path / "shardrl-weights-old"
+        old.mkdir()
+        os.utime(old, (0, 0))
+        assert sorted(channel_module.sweep(tmp_path)) == sorted([stale, old])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [ours.name, running.name, other.name, unlocked.name])
+    finally:
+        live.kill()
+        live.wait()
+    assert channel_module.sweep(tmp_path) == [running]  # its runner is gone now
+    os.close(lock)
+    assert channel_module.sweep(tmp_path) == [ours]
 
 
 def test_the_runner_empties_the_channel_when_the_learner_fails(tmp_path, monkeypatch):

@@ -106,8 +106,9 @@ class LocalConfig(Section):
     """Pin stages to CPU cores, e.g. `{rollout: [0], learn: [1]}`; unpinned stages may use
     every core. `rollout.N` places rollout worker N alone (`{rollout.0: [0], learn: [1]}`)
     and takes precedence over `rollout`; null removes an entry (a preset's, in a file that
-    extends it). Pinning disables sharing for the pinned stages; cores this machine does not have
-    online are dropped with a warning, and a pin left with none is ignored."""
+    extends it). Pinning disables sharing for the pinned stages; cores outside the runner's cpuset
+    (else the machine's online cores) are dropped with a warning, and a pin left with none is
+    ignored."""
     nice: dict[str, int] = {"rollout": 5, "evaluate": 10}
     """Scheduling niceness of stages on shared cores (0-19; higher yields the CPU to lower).
     The learner makes the versions, so it goes first: while it is the bottleneck (the rollout
@@ -146,7 +147,8 @@ class LocalConfig(Section):
 def _placed(key: str, setting: str) -> None:
     """Check a `cores` or `nice` key: a looping stage, or `rollout.N` for one worker."""
     name, dot, worker = key.partition(".")
-    if name not in LOOPING or (dot and (name != "rollout" or not worker.isdigit()
+    if name not in LOOPING or (dot and (name != "rollout" or not worker.isascii()
+                                        or not worker.isdecimal()
                                         or worker != str(int(worker)))):
         raise ValueError(f"pipeline.local.{setting}.{key}: name a looping stage "
                          f"({', '.join(LOOPING)}) or one rollout worker, as rollout.0")

@@ -119,9 +119,10 @@ class RunConfig(Section):
                           "`rollout.postprocess: stages` (or auto)")
         local = self.pipeline.local
         for setting in ("cores", "nice"):
-            for key in getattr(local, setting):
+            for key, value in getattr(local, setting).items():
                 name, _, worker = key.partition(".")
-                if name == "rollout" and worker and int(worker) >= self.rollout.workers:
+                if (value is not None and name == "rollout" and worker
+                        and int(worker) >= self.rollout.workers):
                     errors.append(
                         f"`pipeline.local.{setting}.{key}` names no worker: rollout.workers "
                         f"is {self.rollout.workers} (workers rollout.0 to "

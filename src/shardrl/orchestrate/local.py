@@ -93,8 +93,8 @@ class LocalRun:
             here = set(pinned) & machine_cores()
             if here != set(pinned):
                 print(f"pipeline.local.cores: {name} worker {worker} is pinned to cores "
-                      f"{sorted(pinned)}; this machine has no core "
-                      f"{', '.join(map(str, sorted(set(pinned) - here)))}"
+                      f"{sorted(pinned)}; not available here (the runner's cpuset or "
+                      f"online cores): {', '.join(map(str, sorted(set(pinned) - here)))}"
                       + ("" if here else ": it runs unpinned"), file=sys.stderr, flush=True)
             if here:
                 return env, here
@@ -235,7 +235,7 @@ def run(args) -> int:
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
     if lr.cfg.pipeline.local.weights_channel:
-        lr.channel = weights_channel.make()
+        lr.channel, channel_lock = weights_channel.make()
     try:
         fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
         # the looping stages start first and wait for run.json: their start-up (forking or
@@ -273,21 +273,48 @@ def run(args) -> int:
         release_cache(lr.run_id)  # what stages killed before their end left behind
         if lr.channel is not None:
             shutil.rmtree(lr.channel, ignore_errors=True)
+            os.close(channel_lock)
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
 
 
-def machine_cores() -> set[int]:
-    """The cores this machine has online (a pin may name any of them, also one outside the
-    runner's own affinity)."""
+def machine_cores(proc: Path = Path("/proc"), sys_fs: Path = Path("/sys")) -> set[int]:
+    """The cores a stage of this runner may be pinned to: those of the runner's cpuset
+    (cgroup v2 or v1: a container's `--cpuset-cpus`), else the machine's online cores. A
+    pin may name one outside the runner's own affinity (`taskset`): the cpuset bounds it."""
+    for path in _cpuset_files(proc, sys_fs):
+        try:
+            return cpu_list(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return set(range(os.cpu_count() or 1))
+
+
+def _cpuset_files(proc: Path, sys_fs: Path) -> list[Path]:
+    """Where the runner's usable cores are listed, most specific first."""
+    files = []
     try:
-        spans = Path("/sys/devices/system/cpu/online").read_text().strip().split(",")
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
-        return set(range(os.cpu_count() or 1))
+        lines = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        group = group.lstrip("/")
+        if controllers == "":  # v2: one hierarchy
+            files.append(sys_fs / "fs" / "cgroup" / group / "cpuset.cpus.effective")
+        elif "cpuset" in controllers.split(","):
+            files.append(sys_fs / "fs" / "cgroup" / "cpuset" / group / "cpuset.effective_cpus")
+    return [*files, sys_fs / "devices" / "system" / "cpu" / "online"]
+
+
+def cpu_list(text: str) -> set[int]:
+    """The cores of a kernel CPU list such as `0-3,8,10-11`."""
     cores: set[int] = set()
-    for span in spans:
+    for span in text.strip().split(","):
         first, _, last = span.partition("-")
         cores.update(range(int(first), int(last or first) + 1))
+    if not cores:
+        raise ValueError(f"no cores in {text!r}")
     return cores
 
 

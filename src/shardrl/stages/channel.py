@@ -2,12 +2,15 @@
 commit (`pipeline.local.weights_channel`).
 
 The local runner gives the stages one folder (`ENV`; in shared memory where the machine has
-it) and removes it when the run ends. At each commit call the learner writes the new
+it), holds it locked while the run runs and removes it when the run ends (a runner that was
+killed leaves it behind: the next runner that makes a channel folder in the same place
+removes it, `sweep`). At each commit call the learner writes the new
 version's weights there (safetensors, then a `version` file naming it: a rename each, no
 fsync) before the commit's store writes, which take it about 10 ms more to land; a rollout
 worker that wants a version newer than the store's takes it from the folder. The store
 stays the record: the channel holds the last `KEEP` versions and nothing else; the runner
-empties it as soon as it sees the learner fail, and a learner empties it as it starts, so a
+empties it when its next check (every half second) sees the learner fail, before the
+restart's backoff, and a learner empties it as it starts, so a
 worker never takes a version from it that a restarted learner has not made (one it took
 before that learner's crash is the one difference: its shards name a version the new learner
 will make again, from its own batch; they train as any sample does, on their recorded
@@ -17,10 +20,12 @@ memory full) is logged and skipped, and the workers wait for its commit.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +39,7 @@ KEEP = 2
 MAX_BYTES = 64 << 20
 """Largest weights the learner writes there, on its step's path (the demo's: under 1 MiB)."""
 PREFIX = "shardrl-weights-"
-"""Start of a channel folder's name; the runner's process id follows (see `sweep`)."""
+"""Start of a channel folder's name (see `sweep`)."""
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,8 @@ log = logging.getLogger(__name__)
 class Channel:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.refused = 0
+        """Versions `publish` could not write."""
 
     @classmethod
     def from_env(cls) -> Channel | None:
@@ -73,8 +80,11 @@ class Channel:
             self._replace("version", str(version).encode())
         except OSError as exc:
             self._file(version).unlink(missing_ok=True)
-            log.warning("weights channel %s: version %d not written (%s); workers take it "
-                        "from the store", self.path, version, exc)
+            if not self.refused:  # once: a full folder stays full for a while
+                log.warning("weights channel %s: version %d not written (%s); until it can "
+                            "be, workers take new versions from the store", self.path,
+                            version, exc)
+            self.refused += 1
             return False
         self._file(version - KEEP).unlink(missing_ok=True)
         return True
@@ -102,33 +112,50 @@ class Channel:
                 entry.unlink(missing_ok=True)
 
 
-def make(parent: str | Path | None = None) -> Path:
+LOCK = ".lock"
+"""A file in each channel folder that its runner holds locked (`flock`) while it runs."""
+STALE_UNLOCKED_S = 60.0
+"""A folder without a lock file is a runner's that had not locked it yet, or one from an
+older layout: swept once it is this old."""
+
+
+def make(parent: str | Path | None = None) -> tuple[Path, int]:
     """A new channel folder for this process's run, in shared memory where the machine has
-    it, after removing the folders of runners that are gone (`sweep`)."""
+    it, after removing the folders of runners that are gone (`sweep`): (folder, descriptor
+    of its lock, to keep open while the run runs and close at its end)."""
     if parent is None:
         parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     sweep(parent)
-    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return folder, fd
 
 
 def sweep(parent: str | Path) -> list[Path]:
-    """Remove the channel folders in `parent` whose runner no longer runs (one killed before
-    it could remove its own); returns them."""
+    """Remove the channel folders in `parent` that no running runner holds (one killed
+    before it could remove its own): a folder's lock is free once every process that held
+    it is gone, whatever namespace it ran in; returns those removed."""
     gone = []
-    for folder in Path(parent).glob(f"{PREFIX}*-*"):
-        pid = folder.name[len(PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+    for folder in Path(parent).glob(f"{PREFIX}*"):
+        try:
+            fd = os.open(folder / LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                if time.time() - folder.stat().st_mtime < STALE_UNLOCKED_S:
+                    continue
+            except OSError:
+                continue
+        except OSError:  # another user's, say: not ours to judge
             continue
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its runner runs
+                continue
+            finally:
+                os.close(fd)
         shutil.rmtree(folder, ignore_errors=True)
-        gone.append(folder)
+        if not folder.exists():
+            gone.append(folder)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

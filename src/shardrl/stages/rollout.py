@@ -234,9 +234,9 @@ class Flow:
         that generate throughout (each standby worker's: split among all)."""
         self.at_take = exact and not ctx.once and rc.lead_counted_at == "take"
         self.taken: Taken | None = None
+        """The learner's last `Taken` record, read by `full` (and used by `batch` after it)."""
         self.why = ""
         """Why `full` last said to pause, for the log."""
-        """The learner's last `Taken` record, read by `full` (and used by `batch` after it)."""
         self.groups = state.groups_written
         self.kept = state.kept_written
         self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)

@@ -143,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "logs").mkdir(exist_ok=True)
     log = folder / "logs" / "weed.log"
     env = {**os.environ, "TMPDIR": str(folder / "logs")}  # glog writes its files to TMPDIR
-    with open(log, "ab") as out:
-        process = subprocess.Popen(command(folder, settings["ports"]), stdout=out,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    # before the variables are printed: whoever reads them may stop the server at once
+    # from here a SIGTERM stops the server too (whoever reads the printed variables may stop
+    # it at once): the server runs in a session of its own, so nothing else would
     signal.signal(signal.SIGTERM, _interrupt)
+    process: subprocess.Popen | None = None
     try:
+        with open(log, "ab") as out:
+            process = subprocess.Popen(command(folder, settings["ports"]), stdout=out,
+                                       stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
         if not _ready(args.port, process, timeout_s=60):
             print(f"SeaweedFS did not start; see {log}", file=sys.stderr)
             return 1
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        if process.poll() is None:
+        if process is not None and process.poll() is None:
             process.terminate()
             try:
                 process.wait(10)

@@ -89,10 +89,10 @@ class Learner:
             or standby_count(rc.standby.workers, rc.workers) > 0)
         """Whether a rollout worker reads the learner's takes (`took`)."""
         self.taken_writer = Writer()
-        self.start_id = f"{os.getpid()}-{time.time_ns()}"
-        """This learner process's start, in its `Taken` records."""
         """The `Taken` records' own thread: a record waits behind the last one, not behind
         the last commit's writes."""
+        self.start_id = f"{os.getpid()}-{time.time_ns()}"
+        """This learner process's start, in its `Taken` records."""
         # the cursor is written after the commits queued before it: it never closes a
         # version whose last shards' ledger entry is not yet in the store
         scanner = Scanner(store, keys, cfg, "learn", self.ledger.handled, self.writer.later)
