@@ -157,8 +157,8 @@ def main(ctx: StageContext) -> int:
         if post is not None:
             post.flush()
         if channel is not None:
-            ctx.log.info("versions from the weights channel: %d (the others from the store)",
-                         engine.from_channel)
+            ctx.log.info("versions from the weights channel: %d (the others from the store; "
+                         "the channel %s)", engine.from_channel, channel.path)
     _settled(writes)
     return 0
 
