@@ -41,9 +41,14 @@ _PR_SET_NAME = 15
 def warm(cfg) -> None:
     """Import what the stages import, once, in the runner; pay the libraries' first-call
     costs (`orchestrate.warmup`) and build the run's task (`cfg`'s) for every stage too."""
+    import torch
     import tqdm
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread in a process that forks
+    if not torch.cuda.is_available():
+        # transformers imports DeepSpeed where it is installed; told the accelerator, it does
+        # not warn in every run's output that it found none
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in STAGE_MODULES:
         importlib.import_module(name)
     from ..stages.context import warm_up
