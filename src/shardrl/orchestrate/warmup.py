@@ -35,8 +35,12 @@ VOCAB, PAD, EOS = 12, 0, 2
 def exercise() -> None:
     """Save and load a throwaway model, sample from it, and take one AdamW step on it, all on
     one torch thread."""
+    from transformers.utils import logging as hf_logging
+
     previous = torch.get_num_threads()
+    bars = hf_logging.is_progress_bar_enabled()
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()  # a throwaway model's bars in the run's output
     try:
         with tempfile.TemporaryDirectory(prefix="shardrl-warmup-") as folder:
             save_model(tiny_lm(vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS,
@@ -57,6 +61,8 @@ def exercise() -> None:
         opt.step()
     finally:
         torch.set_num_threads(previous)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def threads() -> set[str]:
