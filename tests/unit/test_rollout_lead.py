@@ -215,6 +215,19 @@ def test_channel_folders_of_runners_that_are_gone_are_swept(tmp_path):
     assert channel_module.sweep(tmp_path) == [ours]
 
 
+def test_a_run_without_room_for_the_channel_goes_on_without_it(monkeypatch, capsys):
+    from shardrl.orchestrate import local
+
+    def refuse(parent=None):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(channel_module, "make", refuse)
+    assert local.open_channel() == (None, None)
+    assert capsys.readouterr().err == (
+        "pipeline.local.weights_channel: no folder for it ([Errno 30] Read-only file system); "
+        "new weights reach the rollout workers through the store alone\n")
+
+
 def test_the_runner_empties_the_channel_when_the_learner_fails(tmp_path, monkeypatch):
     """Versions a failed learner named may never be committed: the runner removes them when
     it sees the exit, before the backoff, not when the restarted learner gets to it."""

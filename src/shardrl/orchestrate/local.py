@@ -235,7 +235,7 @@ def run(args) -> int:
 
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
     if lr.cfg.pipeline.local.weights_channel:
-        lr.channel, channel_lock = weights_channel.make()
+        lr.channel, channel_lock = open_channel()
     try:
         fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
         # the looping stages start first and wait for run.json: their start-up (forking or
@@ -276,6 +276,18 @@ def run(args) -> int:
             os.close(channel_lock)
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
+
+
+def open_channel() -> tuple[Path | None, int | None]:
+    """The run's weights channel folder and the descriptor of its lock (`stages.channel`);
+    (None, None), with a warning, where no folder can be made: the channel is only a
+    shortcut, and the run goes on without it."""
+    try:
+        return weights_channel.make()
+    except OSError as exc:
+        print(f"pipeline.local.weights_channel: no folder for it ({exc}); new weights reach "
+              "the rollout workers through the store alone", file=sys.stderr, flush=True)
+        return None, None
 
 
 def machine_cores(proc: Path = Path("/proc"), sys_fs: Path = Path("/sys")) -> set[int]:
