@@ -122,7 +122,7 @@ class LocalConfig(Section):
     @classmethod
     def _nice_range(cls, value: dict[str, int]) -> dict[str, int]:
         for name, n in value.items():
-            _placed(name, "nice")
+            placed_worker(name, "nice")
             if not 0 <= n <= 19:
                 raise ValueError(f"pipeline.local.nice.{name}: give a niceness from 0 to 19")
         return value
@@ -131,7 +131,7 @@ class LocalConfig(Section):
     @classmethod
     def _known_cores(cls, value: dict[str, list[int] | None]) -> dict[str, list[int] | None]:
         for name, cpus in value.items():
-            _placed(name, "cores")
+            placed_worker(name, "cores")
             if cpus is not None and (not cpus or min(cpus) < 0):
                 raise ValueError(f"pipeline.local.cores.{name}: give core numbers >= 0")
         return value
@@ -144,14 +144,16 @@ class LocalConfig(Section):
         return own if own is not None else entries.get(name)
 
 
-def _placed(key: str, setting: str) -> None:
-    """Check a `cores` or `nice` key: a looping stage, or `rollout.N` for one worker."""
+def placed_worker(key: str, setting: str) -> int | None:
+    """Check a `cores` or `nice` key, a looping stage or `rollout.N` for one worker; the
+    worker N it names, or None for a whole stage."""
     name, dot, worker = key.partition(".")
     if name not in LOOPING or (dot and (name != "rollout" or not worker.isascii()
                                         or not worker.isdecimal()
                                         or worker != str(int(worker)))):
         raise ValueError(f"pipeline.local.{setting}.{key}: name a looping stage "
                          f"({', '.join(LOOPING)}) or one rollout worker, as rollout.0")
+    return int(worker) if dot else None
 
 
 class Toleration(Section):

@@ -11,7 +11,7 @@ from ..graph import STAGES
 from .algo import AlgoConfig
 from .base import Section
 from .data import RewardConfig, TaskConfig
-from .infra import DoctorConfig, PipelineConfig, StoreConfig, TrackingConfig
+from .infra import DoctorConfig, PipelineConfig, StoreConfig, TrackingConfig, placed_worker
 from .model import ModelConfig
 from .stages import (
     EvalConfig,
@@ -120,9 +120,8 @@ class RunConfig(Section):
         local = self.pipeline.local
         for setting in ("cores", "nice"):
             for key, value in getattr(local, setting).items():
-                name, _, worker = key.partition(".")
-                if (value is not None and name == "rollout" and worker
-                        and int(worker) >= self.rollout.workers):
+                worker = placed_worker(key, setting)
+                if value is not None and worker is not None and worker >= self.rollout.workers:
                     errors.append(
                         f"`pipeline.local.{setting}.{key}` names no worker: rollout.workers "
                         f"is {self.rollout.workers} (workers rollout.0 to "

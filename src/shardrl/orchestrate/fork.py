@@ -45,9 +45,10 @@ def warm(cfg) -> None:
     import tqdm
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread in a process that forks
-    if not torch.cuda.is_available():
-        # transformers imports DeepSpeed where it is installed; told the accelerator, it does
-        # not warn in every run's output that it found none
+    if torch.version.cuda is None and torch.version.hip is None:
+        # a CPU-only torch (asked without a CUDA query, which would initialise the driver in
+        # a process that then forks): transformers imports DeepSpeed where it is installed,
+        # and told the accelerator it does not warn in every run's output that it found none
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in STAGE_MODULES:
         importlib.import_module(name)

@@ -333,8 +333,8 @@ class Flow:
             self.why = (f"{limit - room:.0f} kept groups not yet "
                         f"{'taken' if take else 'committed'} (cap {limit})")
             return True
-        if self.waiting_groups(progress) >= group_cap(self.cap(progress)):
-            self.why = f"{self.waiting_groups(progress)} groups not yet committed"
+        if (waiting := self.waiting_groups(progress)) >= group_cap(self.cap(progress)):
+            self.why = f"{waiting} groups not yet committed"
             return True
         return False
 
