@@ -273,11 +273,10 @@ def test_crash_anywhere_with_the_lead_from_the_take_and_the_weights_channel(tmp_
     assert sum(taken["kept_groups_by_worker"].values()) > 0
     logs = Path(store_path) / "runs" / run_id / "logs"
     assert "generating: the learner waited for data" in (logs / "rollout-1.log").read_text()
-    # the workers took versions from the channel, and the runner removed it at the end
-    taken_early = [(int(n), Path(folder)) for log in logs.glob("rollout*.log")
-                   for n, folder in re.findall(r"versions from the weights channel: (\d+) "
-                                               r"\(the others from the store; the channel "
-                                               r"(\S+)\)", log.read_text())]
-    assert taken_early and sum(n for n, _ in taken_early) > 0, taken_early
-    assert len({folder for _, folder in taken_early}) == 1
-    assert not taken_early[0][1].exists()
+    # the workers ran with the channel (how many versions they took from it depends on the
+    # host's timing: `PolicyEngine.take` has its unit test), and the runner removed it
+    folders = {Path(folder) for log in logs.glob("rollout*.log")
+               for folder in re.findall(r"versions from the weights channel: \d+ \(the others "
+                                        r"from the store; the channel (\S+)\)", log.read_text())}
+    assert len(folders) == 1, folders
+    assert not folders.pop().exists()

@@ -152,6 +152,36 @@ def test_the_weights_channel_holds_the_newest_versions_until_cleared(tmp_path):
     assert channel.latest() is None and list(tmp_path.iterdir()) == []
 
 
+def test_a_worker_takes_only_a_channel_version_newer_than_the_store_and_its_own(tmp_path):
+    """`PolicyEngine.take` on hand-set versions: the weights it loads are the channel's, and
+    they are not kept as the base of the store's deltas (a restarted learner may make that
+    version again, differently)."""
+    from shardrl.engines.hf import HFEngine
+    from shardrl.models.tiny import tiny_lm
+    from shardrl.stages.engine import PolicyEngine
+    from shardrl.stages.policy import PolicyWeights
+
+    model = tiny_lm(vocab_size=12, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                    hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                    max_position_embeddings=16, seed=0)
+    engine = PolicyEngine.__new__(PolicyEngine)  # the parts `take` uses, without a store
+    engine.engine = HFEngine(model, eos_token_id=2, pad_token_id=0, version=2)
+    engine.weights, engine.from_channel = PolicyWeights(), 0
+    engine.weights.state, engine.weights.version = {"w": torch.zeros(1)}, 2
+    channel = Channel(tmp_path)
+    assert not engine.take(channel, committed=2)  # an empty channel
+    new = {k: torch.full_like(t, 0.5) for k, t in model.state_dict().items()}
+    channel.publish(3, new)
+    assert not engine.take(channel, committed=3)  # the store has it too: no shortcut
+    assert engine.take(channel, committed=2)
+    assert engine.version == 3 and engine.from_channel == 1
+    assert torch.equal(model.model.embed_tokens.weight, new["model.embed_tokens.weight"])
+    assert engine.weights.state == {} and engine.weights.version is None
+    assert not engine.take(channel, committed=2)  # already on it
+    engine.engine.version = 5
+    assert not engine.take(channel, committed=4) and engine.version == 5  # never back
+
+
 def test_a_full_channel_is_skipped_and_leaves_nothing_half_written(tmp_path, monkeypatch,
                                                                   caplog):
     """Shared memory full: the learner goes on (the workers wait for the commit) and the
