@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from shardrl.learner_backends.base import STEP_KEY
+from shardrl.models.delta import bits
 from shardrl.orchestrate.accounting import account
 from shardrl.stages.checkpoint import latest_checkpoint
 from shardrl.stages.context import MetricsSink, StageContext
@@ -137,3 +138,41 @@ def test_a_round_whose_groups_are_all_filtered_still_makes_its_version(tmp_path,
     assert all(torch.equal(v0[n], v2[n]) for n in v2)
     assert store.exists(keys.done())
     assert account(store, keys).balanced
+
+
+def test_a_learner_stopped_after_its_checkpoint_redoes_the_step_from_the_one_before(
+        tmp_path, monkeypatch):
+    """Full fine-tuning, `--once` rounds (a checkpoint at every version): a learner stopped
+    after version 3's checkpoint but before its progress.json restarts at version 2 while
+    LATEST names step 3. It takes the optimizer state of step 2 (pruning waits for the
+    commit, so it is still there even with `keep_checkpoints: 1`), redoes the step into the
+    same version 3 bit for bit, and leaves no checkpoint of the lost commit behind."""
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(tmp_path, overrides=(
+        "rollout.workers=1", "learner.total_steps=4", "learner.lr=0.01",
+        "learner.keep_checkpoints=1", "reward.overlong={buffer_tokens: 4}"))
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("redo")
+    with one_thread():
+        run_round(store, cfg, "redo", "snapshot")
+        for _ in range(3):
+            run_round(store, cfg, "redo", "rollout")
+        run_round(store, cfg, "redo", "learn")
+        run_round(store, cfg, "redo", "learn")
+        at_two = store.get_bytes(keys.progress())
+        step_two = store.get_bytes(keys.learner_file(2, f"{BACKEND_STATE}.safetensors"))
+        run_round(store, cfg, "redo", "learn")
+        first = fetch_weights(store, keys, 3)
+        moments = store.get_bytes(keys.learner_file(3, f"{BACKEND_STATE}.safetensors"))
+        # version 3's commit point never written, and its pruning never ran
+        store.put_bytes(keys.progress(), at_two)
+        store.put_bytes(keys.learner_file(2, f"{BACKEND_STATE}.safetensors"), step_two)
+        assert latest_checkpoint(store, keys) == 3
+        run_round(store, cfg, "redo", "learn")
+    delta = LedgerDelta.read(store, sorted(store.list(keys.ledger_prefix()))[-1])
+    assert delta.version == 3 and delta.restart.checkpoint == 2
+    again = fetch_weights(store, keys, 3)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(bits(first[k]), bits(again[k])) for k in first)
+    assert store.get_bytes(keys.learner_file(3, f"{BACKEND_STATE}.safetensors")) == moments
+    assert latest_checkpoint(store, keys) == 3
+    assert not store.list(keys.learner_prefix(2))  # pruned once version 3 was committed

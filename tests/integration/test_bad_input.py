@@ -340,6 +340,31 @@ def test_a_failed_shard_write_is_not_counted_in_the_saved_worker_state(run, monk
     assert (state.next_seq, state.groups_written, state.kept_written) == (1, 0, 0)
 
 
+def test_a_worker_stopped_while_paused_resumes_with_its_last_batch_counted(run, monkeypatch):
+    """The counts that include a batch are stored once its shards are, before the worker
+    waits on its backlog: a worker killed in that wait (most of its time when the learner
+    sets the pace) resumes with them, instead of under-counting and running ahead of its cap."""
+    store, cfg, run_id, _ = run
+    from shardrl.stages import rollout
+
+    seen = []  # (groups the worker counts, the stored state) at each pause
+
+    def pause(self, timeout):
+        seen.append((self.groups, self.kept,
+                     WorkerState.read(store, RunKeys(run_id).worker_state(0))))
+
+    monkeypatch.setattr(rollout.Flow, "full", lambda self, progress: self.groups > 0)
+    monkeypatch.setattr(rollout.Flow, "pause", pause)
+    monkeypatch.setattr(StageContext, "done", lambda self: len(seen) >= 1)
+    ctx = context(store, cfg, run_id, "rollout")
+    ctx.once = False
+    rollout.main(ctx)
+    groups, kept, state = seen[0]
+    assert groups > 0  # one batch written before the pause
+    assert (state.groups_written, state.kept_written) == (groups, kept)
+    assert state.next_seq == len(shards_by_name(store, RunKeys(run_id), ("ready",)))
+
+
 def test_a_failed_shard_write_stops_a_worker_about_to_pause(run, monkeypatch):
     """A worker whose backlog is full checks its last batch's writes before it waits: a
     failed write surfaces at once instead of leaving it paused on a backlog that counts the

@@ -63,3 +63,28 @@ def test_writer_runs_later_work_after_the_commit_in_flight_without_waiting():
             writer.submit(order.append, "next")  # the queued error surfaces at the next submit
     finally:
         writer.close()
+
+
+def test_writer_skips_later_work_queued_behind_a_failed_commit():
+    """A failed commit must not be followed by the scan cursor queued behind it: the cursor
+    would close a version whose last shards no stored ledger names, and a restarted learner
+    would never list them again."""
+    writer, gate, order = Writer(), threading.Event(), []
+
+    def failing_commit():
+        gate.wait(5)
+        raise OSError("disk full")
+
+    try:
+        writer.submit(failing_commit)
+        writer.later(order.append, "cursor")  # queued while the commit is still in flight
+        writer.later(order.append, "check")
+        gate.set()
+        with pytest.raises(OSError, match="disk full"):
+            writer.wait()
+        assert order == []
+        writer.later(order.append, "after")  # the failure was raised: later work runs again
+        writer.wait()
+        assert order == ["after"]
+    finally:
+        writer.close()

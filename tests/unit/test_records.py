@@ -59,6 +59,23 @@ def test_a_missing_record_reads_empty_or_none(tmp_path):
     assert PolicyPointer.read(store, rk.latest_policy(), optional=True) is None
 
 
+def test_a_record_deleted_between_the_check_and_the_read_reads_as_missing(tmp_path):
+    """Another stage may delete a record right after `exists` saw it (prepare replaces the
+    retired-prompt changes by a full set): the read then finds none, not an error."""
+
+    class Racing(LocalStore):
+        def exists(self, key):
+            found = super().exists(key)
+            self.delete(key)  # gone by the time it is read
+            return found
+
+    store = Racing(tmp_path)
+    WorkerState(next_seq=3).write(store, rk.worker_state(0))
+    assert WorkerState.read(store, rk.worker_state(0), optional=True) is None
+    WorkerState(next_seq=3).write(store, rk.worker_state(0))
+    assert WorkerState.read(store, rk.worker_state(0)) == WorkerState()
+
+
 def test_misspelt_or_wrongly_typed_fields_fail_where_they_are_written_and_read(tmp_path):
     with pytest.raises(ValidationError):
         Buffered(groups_by_worker={0: 1}, kept_by_worker={0: 1})

@@ -106,7 +106,7 @@ def test_checkpoint_files_are_streamed_and_the_loan_returned(tmp_path):
                 "policy": {k: t.clone() for k, t in masters.items()}}
     files = CheckpointFiles(backend=state, policy=masters)
     files.loan = Loan()
-    save_checkpoint(store, keys, 4, files, keep=2)
+    save_checkpoint(store, keys, 4, files)
     assert files.loan.is_done and not files
     assert latest_checkpoint(store, keys) == 4
     for name, tensors in expected.items():
@@ -119,7 +119,7 @@ def test_a_failed_checkpoint_writes_nothing_and_returns_the_loan(tmp_path):
                             policy={"bad": torch.zeros(1, dtype=torch.complex64)})
     files.loan = Loan()
     with pytest.raises(ValueError):
-        save_checkpoint(store, keys, 4, files, keep=2)
+        save_checkpoint(store, keys, 4, files)
     assert files.loan.is_done
     assert latest_checkpoint(store, keys) is None
     assert store.list(keys.root) == []  # no file committed, no temp file left

@@ -1,6 +1,11 @@
 """Learner checkpoints: the backend's state (optimizer moments, critic) as safetensors files
 under `learner/ckpt-<step>/`, then `learner/LATEST.json` naming the step; no pickle.
 
+The learner writes a checkpoint before the commit of its version (`progress.json`) and prunes
+older ones only after it, so a learner stopped in between finds LATEST naming a step past
+its committed version and the checkpoint before it still stored: `committed_checkpoint`
+resumes from that one and `repair` makes the store say so.
+
 A file is streamed into the store tensor by tensor (`models.io.write_safetensors` into
 `Store.writer`), so no serialized copy of it exists in memory. Its tensors can be the
 learner's live state (`CheckpointFiles.loan`): then the backend's next update waits until
@@ -39,9 +44,9 @@ def release(files: dict) -> None:
 
 
 def save_checkpoint(store: Store, keys: RunKeys, step: int,
-                    files: dict[str, dict[str, torch.Tensor]], keep: int) -> None:
+                    files: dict[str, dict[str, torch.Tensor]]) -> None:
     """Write `files` (name -> tensors, each as safetensors) under learner/ckpt-<step>/, then
-    move LATEST to it and delete all but the newest `keep` checkpoints.
+    move LATEST to it (`prune` deletes the old ones once the step is committed).
 
     Each file is written tensor by tensor from the tensors themselves, and leaves `files` as
     it is written, so (when `files` held the last reference to copies) they are freed file by
@@ -57,7 +62,6 @@ def save_checkpoint(store: Store, keys: RunKeys, step: int,
     finally:
         release(files)
     CheckpointPointer(step=step).write(store, keys.latest_learner())
-    _prune(store, keys, step, keep)
 
 
 def latest_checkpoint(store: Store, keys: RunKeys) -> int | None:
@@ -66,10 +70,38 @@ def latest_checkpoint(store: Store, keys: RunKeys) -> int | None:
     return pointer.step if pointer is not None else None
 
 
-def _prune(store: Store, keys: RunKeys, step: int, keep: int) -> None:
-    steps = sorted({s for k in store.list(keys.root + "learner/")
-                    if (s := folder_number(k, "learner")) is not None})
-    for old in steps[:-keep]:
+def _stored_steps(store: Store, keys: RunKeys) -> list[int]:
+    return sorted({s for k in store.list(keys.root + "learner/")
+                   if (s := folder_number(k, "learner")) is not None})
+
+
+def committed_checkpoint(store: Store, keys: RunKeys, version: int) -> int | None:
+    """The checkpoint a learner resuming at committed `version` loads: LATEST's, unless it
+    is past `version` (its commit never landed: that step will be redone), then the newest
+    stored one at or before `version`, or None if there is none."""
+    latest = latest_checkpoint(store, keys)
+    if latest is None or latest <= version:
+        return latest
+    return max((s for s in _stored_steps(store, keys) if s <= version), default=None)
+
+
+def repair(store: Store, keys: RunKeys, version: int) -> int | None:
+    """Point LATEST at `committed_checkpoint` and delete the checkpoints past `version`
+    (written for commits that never landed), so no later resume loads one; that step."""
+    step = committed_checkpoint(store, keys, version)
+    for late in (s for s in _stored_steps(store, keys) if s > version):
+        for key in store.list(keys.learner_prefix(late)):
+            store.delete(key)
+    if step is None:
+        store.delete(keys.latest_learner())
+    elif latest_checkpoint(store, keys) != step:
+        CheckpointPointer(step=step).write(store, keys.latest_learner())
+    return step
+
+
+def prune(store: Store, keys: RunKeys, step: int, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (never `step`'s)."""
+    for old in _stored_steps(store, keys)[:-keep]:
         if old != step:
             for key in store.list(keys.learner_prefix(old)):
                 store.delete(key)

@@ -98,7 +98,7 @@ def main(ctx: StageContext) -> int:
             state = WorkerState(next_seq=first + n, version=engine.version, **flow.state())
             # the state's counts include the previous batch's shards: it is stored only once
             # they are (the writer runs in order, so they have finished by then)
-            reserved = writer.submit(_reserve, list(writes), state, store, state_key)
+            reserved = writer.submit(_store_state, list(writes), state, store, state_key)
             shards = []  # (seq, items) of the batch
             prompt_ids = []  # token ids of the batch's prompts, in order
             for seq in range(first, first + n):
@@ -151,6 +151,11 @@ def main(ctx: StageContext) -> int:
                 writes.append(writer.submit(*job))
                 _log_metrics(ctx, engine.version, latest, table,
                              seconds * len(items) / len(prompt_ids), flow)
+            # the counts with this batch, stored once its shards are: a worker stopped while
+            # it waits on its backlog (most of its time when the learner sets the pace) must
+            # not resume without them, or it would run ahead of its cap for good
+            counted = WorkerState(next_seq=state.next_seq, version=state.version, **flow.state())
+            writes.append(writer.submit(_store_state, list(writes), counted, store, state_key))
             flow.generated(time.monotonic() - started)
     finally:
         writer.shutdown()  # waits for the writes still queued
@@ -170,9 +175,10 @@ def _settled(writes: list[Future]) -> list[Future]:
     return []
 
 
-def _reserve(previous: list[Future], state: WorkerState, store: Store, key: str) -> None:
-    """Store the worker's state for the next batch once every shard write it counts has
-    succeeded; a failed one raises instead, so the saved counts never include a lost shard."""
+def _store_state(previous: list[Future], state: WorkerState, store: Store, key: str) -> None:
+    """Store the worker's `state` (before a batch, its reservation; after one, the counts
+    that include it) once every shard write it counts has succeeded; a failed one raises
+    instead, so the saved counts never include a lost shard."""
     _settled(previous)
     state.write(store, key)
 

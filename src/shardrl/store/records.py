@@ -33,7 +33,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from .base import Store
+from .base import NotFound, Store
 
 
 class Record(BaseModel):
@@ -41,10 +41,16 @@ class Record(BaseModel):
 
     @classmethod
     def read(cls, store: Store, key: str, optional: bool = False) -> Self | None:
-        """The record at `key`; when there is none, the empty record (None if `optional`)."""
-        if not store.exists(key):
+        """The record at `key`; when there is none, the empty record (None if `optional`).
+        A key deleted between the check and the read (a record another stage replaces by a
+        later one) reads as none too."""
+        try:
+            data = store.get_json(key) if store.exists(key) else None
+        except NotFound:
+            data = None
+        if data is None:
             return None if optional else cls()
-        return cls.model_validate(store.get_json(key))
+        return cls.model_validate(data)
 
     def write(self, store: Store, key: str) -> None:
         store.put_json(key, self.model_dump(mode="json"))

@@ -3,8 +3,11 @@
 Each optimizer step publishes policy version `step`. The commit order per step is: weights of
 the new version, the ledger delta (which shards this commit consumed or dropped), an
 optimizer checkpoint when due, `state/learn/progress.json` (the learner's resumable state and
-the commit point), then `policy/LATEST.json`. A restarted learner resumes from progress.json:
-versions stay continuous and no shard is consumed twice.
+the commit point), then `policy/LATEST.json`; checkpoints beyond `keep_checkpoints` are
+deleted only after that. A restarted learner resumes from progress.json: versions stay
+continuous and no shard is consumed twice; its optimizer state comes from the newest
+checkpoint at or before that version (one written for the commit in flight is passed over
+and deleted, see `stages/checkpoint.py`).
 
 The step's store writes run in that order on a background thread while the next batch is
 read and computed; at most one commit is in flight, and the learner waits for it before the

@@ -15,7 +15,7 @@ import torch
 from ...store import RunKeys, Store, parse_shard_key
 from ...store.keys import shard_name
 from ...store.records import Buffered, LearnerRestart, LedgerDelta, LedgerEntry, Progress
-from ..checkpoint import release, save_checkpoint
+from ..checkpoint import prune, release, save_checkpoint
 from .buffer import Batch, tally
 from .offload import CommitProcess, Point, Publish, Put, Write, Writes
 
@@ -134,8 +134,10 @@ class Commit:
             after.append(Point(version))
         if self.checkpoint:
             out.run(before)
-            save_checkpoint(store, keys, version, self.checkpoint, keep_checkpoints)
+            save_checkpoint(store, keys, version, self.checkpoint)
             out.run(after)
+            # only now: a learner stopped before progress.json resumes from the one before
+            prune(store, keys, version, keep_checkpoints)
         else:
             out.run(before + after)
         if self.stepped:
@@ -157,8 +159,17 @@ class Writer:
     def later(self, write: Callable, *args) -> None:
         """Queue `write(*args)` behind the writes in flight without waiting for them: small
         work that must follow the last commit (the scan cursor, the doctor's check) but need
-        not hold up the step. Its error is raised by the next `submit` or `wait`."""
-        self.pending.append(self.pool.submit(write, *args))
+        not hold up the step. It is skipped if a write queued before it failed: a cursor
+        that closes a version must not land when the commit naming its last shards did not.
+        Its error, or the earlier one, is raised by the next `submit` or `wait`."""
+        before = list(self.pending)
+
+        def after_them() -> None:
+            # the one thread runs in order: every earlier write has ended by now
+            if not any(f.exception() is not None for f in before):
+                write(*args)
+
+        self.pending.append(self.pool.submit(after_them))
 
     def wait(self) -> None:
         """Wait for the writes in flight; the first error, if any, is raised here."""

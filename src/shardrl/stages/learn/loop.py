@@ -19,7 +19,7 @@ from ...store.shards import read_shard
 from .. import EXIT_RUN_ABORTED
 from ..batch import POLICY_MASK
 from ..channel import Channel
-from ..checkpoint import latest_checkpoint
+from ..checkpoint import committed_checkpoint, latest_checkpoint, repair
 from ..context import StageContext
 from ..policy import fetch_weights, point_latest, publish_dtype
 from ..retention import Retention
@@ -115,7 +115,11 @@ class Learner:
             critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
         if self.version > 0:  # weights go in before the backend takes the modules over
             published = fetch_weights(store, keys, self.version)
-            ckpt = latest_checkpoint(store, keys)
+            ckpt = committed_checkpoint(store, keys, self.version)
+            if ckpt != (latest := latest_checkpoint(store, keys)):
+                ctx.log.warning("checkpoint %s is past the committed version %d (the learner "
+                                "stopped before committing it): optimizer state from step %s",
+                                latest, self.version, ckpt)
             masters = keys.learner_file(ckpt or 0, f"{ranks.MASTERS}.safetensors")
             if cfg.learner.lora is not None:  # the base stays v0; the adapters are in the
                 ckpt = self.version              # checkpoint of the committed version
@@ -140,6 +144,8 @@ class Learner:
             self.restart = LearnerRestart(checkpoint=ckpt)
             if backend.rank == 0:
                 point_latest(store, keys, self.version, step=self.version)
+        if backend.rank == 0:
+            repair(store, keys, self.version)  # no later resume loads an uncommitted checkpoint
         if backend.world_size > 1:
             ctx.log.info("rank %d of %d%s", backend.rank, backend.world_size,
                          " (leader)" if backend.rank == 0 else "")

@@ -1,0 +1,80 @@
+"""Which optimizer checkpoint a resumed learner loads when it stopped between writing a
+checkpoint and committing its version, and the commit order that keeps the one before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardrl.stages.checkpoint import (
+    committed_checkpoint,
+    latest_checkpoint,
+    prune,
+    repair,
+    save_checkpoint,
+)
+from shardrl.stages.learn.commit import Commit
+from shardrl.stages.learn.offload import Put, Writes
+from shardrl.store import LocalStore, RunKeys
+from shardrl.store.records import Progress
+
+KEYS = RunKeys("r1")
+
+
+def saved(store, *steps: int) -> None:
+    for step in steps:
+        save_checkpoint(store, KEYS, step, {"backend": {"step": torch.tensor(float(step))}})
+
+
+def stored(store) -> list[int]:
+    return sorted({int(k.split("ckpt-")[1].split("/")[0]) for k in store.list(KEYS.root + "learner/")
+                   if "ckpt-" in k})
+
+
+def test_latest_is_taken_when_it_is_committed(tmp_path):
+    store = LocalStore(tmp_path)
+    assert committed_checkpoint(store, KEYS, 5) is None
+    saved(store, 2, 4)
+    assert committed_checkpoint(store, KEYS, 4) == 4
+    assert committed_checkpoint(store, KEYS, 7) == 4  # resumed between checkpoints
+
+
+def test_a_checkpoint_past_the_committed_version_is_passed_over_and_removed(tmp_path):
+    store = LocalStore(tmp_path)
+    saved(store, 2, 4, 6)  # 6 written, its commit never landed: progress.json says 5
+    assert latest_checkpoint(store, KEYS) == 6
+    assert committed_checkpoint(store, KEYS, 5) == 4
+    assert repair(store, KEYS, 5) == 4
+    assert latest_checkpoint(store, KEYS) == 4 and stored(store) == [2, 4]
+    # nothing at or before the version: no pointer at all, not one to a later trajectory
+    saved(store, 9)
+    assert repair(store, KEYS, 1) is None
+    assert latest_checkpoint(store, KEYS) is None and stored(store) == []
+
+
+class FailingProgress(Writes):
+    """Runs writes here, failing at progress.json (a learner stopped just before it)."""
+
+    def run(self, writes) -> None:
+        for w in writes:
+            if isinstance(w, Put) and w.key == KEYS.progress():
+                raise OSError("stopped before progress.json")
+        super().run(writes)
+
+
+def test_pruning_waits_for_the_commit_so_the_checkpoint_before_survives(tmp_path):
+    store = LocalStore(tmp_path)
+    saved(store, 2)
+    prune(store, KEYS, 2, keep=1)
+    commit = Commit(progress=Progress(version=4, commits=4), delta=[], stepped=False,
+                    checkpoint={"backend": {"step": torch.tensor(4.0)}})
+    with pytest.raises(OSError, match="progress.json"):
+        commit.write(FailingProgress(store, KEYS), store, KEYS, 1, lambda version: None)
+    # keep=1, yet step 2 is still there: a learner resuming at version 3 loads it
+    assert latest_checkpoint(store, KEYS) == 4 and stored(store) == [2, 4]
+    assert committed_checkpoint(store, KEYS, 3) == 2
+    # the same commit landing prunes down to `keep`
+    commit = Commit(progress=Progress(version=4, commits=4), delta=[], stepped=False,
+                    checkpoint={"backend": {"step": torch.tensor(4.0)}})
+    commit.write(Writes(store, KEYS), store, KEYS, 1, lambda version: None)
+    assert stored(store) == [4] and store.exists(KEYS.progress())
