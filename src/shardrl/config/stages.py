@@ -79,8 +79,9 @@ class RolloutConfig(Section):
     postprocess: Literal["auto", "inline", "stages"] = "auto"
     """Where scoring and prepare run. `inline`: inside each rollout worker, which writes the
     ready shards the stages would (`inline_shards`; no extra processes, no hops); it
-    needs verifier rewards without a reward model, no reference logprobs (`algo.kl.placement:
-    none`) and, with several workers, neither reward normalization nor No-Positive-Resampling
+    needs verifier rewards without a reward model, no reference logprobs from a separate
+    model (`algo.kl.placement: none`, or KL in the loss against the initial policy with
+    `learner.lora`, whose learner computes them) and, with several workers, neither reward normalization nor No-Positive-Resampling
     (their statistics span all workers). `stages`: as the score and prepare stages. `auto`:
     inline when allowed and the verifiers are not sandboxed, else stages."""
     inline_shards: Literal["ready", "all"] = "ready"
@@ -145,9 +146,11 @@ class PublishConfig(Section):
     """Dtype of the published weights, which rollout workers and evaluation load; `auto` is
     the generator's `model.dtype`. The learner trains float32 masters either way."""
     full_every: int = Field(10, ge=1, le=1_000_000)
-    """Version v is a full snapshot when v % full_every == 0; every other version is a delta
-    against v - 1 that holds only the tensors that changed (their changed elements alone
-    when that is smaller). 1 publishes every version in full."""
+    """Every version after v0 is published as a delta against v - 1 that holds only the
+    tensors that changed (their changed elements alone when that is smaller); when
+    v % full_every == 0 the full weights are written too (alone when a restarted learner
+    lacks the state of v - 1), for a reader that starts late or lost its base. 1 writes
+    every version in full as well."""
 
 
 class LoraConfig(Section):
@@ -239,7 +242,8 @@ class LearnerConfig(Section):
     """Samples per forward and backward pass: the gradients of a step's micro-batches add
     up to the gradient of the whole batch's loss (every aggregation normalizes over the
     whole batch), so the batch size no longer sets the activation memory. None: the whole
-    batch at once. Plain torch backend only."""
+    batch at once. Plain torch backend and group-relative advantages only (validation
+    rejects it with DeepSpeed or GAE)."""
     micro_batch_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
     """Padded tokens (rows x the longest row) per forward and backward pass, the rows
     sorted by length first so that each micro-batch pads its rows to nearly their own
@@ -265,8 +269,9 @@ class LearnerConfig(Section):
     """Compute each distinct prompt of a batch once in the learner's forward, its keys and
     values shared by the prompt's samples (`models/prefix.py`; the same logprobs and
     gradients up to float rounding; on the demo an update of 224 rows took 58 ms of CPU
-    against 90). Llama-family models on the torch backend; other models, and DeepSpeed, take
-    every row whole."""
+    against 90). Llama-family models on the torch backend, without `activation_checkpointing`,
+    a sliding window or attention dropout; other models, and DeepSpeed, take every row
+    whole."""
 
 
 class EvalConfig(Section):
