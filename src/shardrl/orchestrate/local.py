@@ -178,6 +178,7 @@ def prepare_run(args) -> LocalRun:
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
         cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
         store = open_store(store_uri, retry_policy(cfg))
+        clear_abort(store, keys)
     else:
         if not args.config:
             raise SystemExit("shardrl run: give a CONFIG (file or preset) or --resume RUN_ID")
@@ -195,6 +196,19 @@ def prepare_run(args) -> LocalRun:
     config_path = log_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path)
+
+
+def clear_abort(store: Store, keys: RunKeys) -> None:
+    """Resuming an aborted run: move its abort marker under state/runner/, so the looping
+    stages do not stop on it at once (and the run does not end as if finished)."""
+    marker = Aborted.read(store, keys.aborted(), optional=True)
+    if marker is None:
+        return
+    kept = keys.state("runner", f"aborted-{int(marker.time * 1000)}.json")
+    marker.write(store, kept)
+    store.delete(keys.aborted())
+    print(f"resuming a run that was aborted ({marker.describe()}); its marker moved to {kept}",
+          flush=True)
 
 
 def one_shot(lr: LocalRun, name: str) -> int:
@@ -254,6 +268,12 @@ def run(args) -> int:
         lr.rss.runner_cpu_s = time.process_time() - cpu_started
         if code != 0:
             return code
+        if not lr.store.exists(lr.keys.done()):  # every stage ended, yet the run is not done
+            marker = Aborted.read(lr.store, lr.keys.aborted(), optional=True)
+            monitor.say("the looping stages stopped before the run was done" +
+                        (f": run aborted: {marker.describe()}" if marker else
+                         f"; see {lr.log_dir}") + f" (resume with {resume_hint(lr)})")
+            return 1
         monitor.finish_metrics()
         for spec in after_loop(lr.cfg):
             if (code := one_shot(lr, spec.name)) != 0:
