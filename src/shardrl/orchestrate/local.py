@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,8 @@ class LocalRun:
     """Peak resident memory per stage, sampled while the stages run."""
     channel: Path | None = None
     """The weights channel's folder (`pipeline.local.weights_channel`), while the run runs."""
+    interrupted: Callable[[], bool] = lambda: False
+    """Whether Ctrl-C or SIGTERM reached the runner (`run` sets it)."""
 
     @property
     def keys(self) -> RunKeys:
@@ -141,9 +144,15 @@ class LocalRun:
         return Proc(name, worker, popen, log)
 
     def run_once(self, name: str) -> int:
+        """Run stage `name` to its end; EXIT_INTERRUPTED once `interrupted` says so (the
+        stage stopped as the looping ones are: its own process group gets no terminal
+        signal)."""
         proc = self.start(name)
         while True:  # sample its memory while it runs: /proc forgets a process on exit
             self.sample_rss([proc])
+            if self.interrupted():
+                self.stop([proc])
+                return EXIT_INTERRUPTED
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.popen.wait(timeout=0.5)
                 self.sample_rss([proc])  # a forked stage's exact CPU time, now it is reaped
@@ -157,15 +166,20 @@ class LocalRun:
                 self.rss.exited(p.name, p.popen.pid, p.popen.cpu_s)
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
-        for p in self.procs:
+        self.stop(self.procs, sig)
+
+    @staticmethod
+    def stop(procs: list[Proc], sig: int = signal.SIGTERM) -> None:
+        """Signal each stage's process group, then SIGKILL what is left after 10 s."""
+        for p in procs:
             if p.popen.poll() is None:
-                os.killpg(p.popen.pid, sig)
+                _signal(p.popen.pid, sig)
         deadline = time.monotonic() + 10
-        for p in self.procs:
+        for p in procs:
             try:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
+                _signal(p.popen.pid, signal.SIGKILL)
 
 
 def prepare_run(args) -> LocalRun:
@@ -198,6 +212,20 @@ def prepare_run(args) -> LocalRun:
     return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path)
 
 
+EXIT_INTERRUPTED = 130
+"""The runner's exit status after Ctrl-C or SIGTERM (the shell's for SIGINT)."""
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal the process group of stage `pid`; a stage forked a moment ago may not have
+    made its group yet (only the child calls setpgid), then the process alone."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def clear_abort(store: Store, keys: RunKeys) -> None:
     """Resuming an aborted run: move its abort marker under state/runner/, so the looping
     stages do not stop on it at once (and the run does not end as if finished)."""
@@ -213,8 +241,12 @@ def clear_abort(store: Store, keys: RunKeys) -> None:
 
 def one_shot(lr: LocalRun, name: str) -> int:
     """Run a stage that runs once; on failure say where its log is and return the exit code
-    the runner ends with (1, or the store-unavailable status)."""
+    the runner ends with (1, the store-unavailable status, or EXIT_INTERRUPTED)."""
     code = lr.run_once(name)
+    if code == EXIT_INTERRUPTED:
+        print(f"interrupted: {name} stopped (state is kept; resume with {resume_hint(lr)})",
+              file=sys.stderr)
+        return code
     if code != 0:
         print(f"{name} failed (exit {code}): see {lr.log_dir / f'{name}.log'}", file=sys.stderr)
         return code if code == EXIT_STORE_UNAVAILABLE else 1
@@ -247,6 +279,7 @@ def run(args) -> int:
         nonlocal interrupted
         interrupted = True
 
+    lr.interrupted = lambda: interrupted
     old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
     if lr.cfg.pipeline.local.weights_channel:
         lr.channel, channel_lock = open_channel()
@@ -385,7 +418,7 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
             monitor.say("interrupted: stopping all stages (state is kept; resume with "
                         f"{resume_hint(lr)})")
             lr.stop_all()
-            return 130
+            return EXIT_INTERRUPTED
         running = 0
         for i, p in enumerate(lr.procs):
             code = p.popen.poll()
