@@ -40,6 +40,9 @@ def test_the_snapshot_is_evaluated_before_it_is_published(tmp_path, tiny_config,
         store.put_bytes(again.keys.root + key[len(keys.root):], store.get_bytes(key))
     try:
         ours = evaluate_version(again, PolicyEngine(again, 0), make_task(cfg), 0)
+        # its metrics are stored with the evaluation, not left for the next periodic flush:
+        # a stage stopped after its summary would never log them again
+        assert store.list(again.keys.root + "metrics/evaluate/")
     finally:
         again.close()  # as the stage's process would at its end (its model-file cache)
     assert read_shard(store, again.keys.eval_table(0), EVAL).equals(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,16 @@ promote: {model_name: promo-test, margin: 0.02}
 """
 
 
-def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path) -> None:
+def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path,
+           env: dict[str, str] | None = None) -> None:
+    """Run stage `name`; MLflow at the config's `tracking.uri` unless `env` says otherwise
+    (an MLFLOW_TRACKING_URI left in this process's environment by an in-process run of
+    another test's stages would win over the config)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     res = subprocess.run([sys.executable, "-m", "shardrl.cli", "stage", name, "--config", str(cfg),
                           "--run-id", run_id, "--store", str(store)], cwd=cwd,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -145,3 +152,85 @@ def test_a_retried_promote_reuses_its_version(registry):
     run_c = [v for v in c.search_model_versions("name = 'promo-test'")
              if v.tags["shardrl.run_id"] == "run-c"]
     assert len(run_c) == 1
+
+
+def test_a_registry_error_is_not_read_as_no_champion():
+    """Only 'does not exist' means no champion: a server error or a locked database must
+    fail the promotion, not make the challenger champion unchallenged."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
+
+    from shardrl.stages.promote import _alias
+
+    class Registry:
+        def __init__(self, code):
+            self.code = code
+
+        def get_model_version_by_alias(self, name, alias):
+            raise MlflowException(f"{alias} of {name}", error_code=self.code)
+
+    assert _alias(Registry(INVALID_PARAMETER_VALUE), "m", "champion") is None
+    with pytest.raises(MlflowException, match="champion of m"):
+        _alias(Registry(INTERNAL_ERROR), "m", "champion")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (SQLite behind it, artifacts served by it)."""
+    import socket
+    import time
+    import urllib.request
+
+    tmp = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1", "--backend-store-uri",
+         f"sqlite:///{tmp}/server.db", "--artifacts-destination", str(tmp / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+        yield uri
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+def test_promote_against_a_real_mlflow_server(registry, mlflow_server):
+    """The same champion rule through MLflow's REST API: a missing model and alias come
+    back as errors the promote stage tells from real failures."""
+    from mlflow.tracking import MlflowClient
+
+    tmp, cfg, store = registry
+    # as a pod is given it (MLFLOW_TRACKING_URI wins over the config's `tracking.uri`)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server)
+    results = []
+    for run_id, evals in (("srv-a", {0: 0.2, 10: 0.5}), ("srv-b", {0: 0.2, 10: 0.51}),
+                          ("srv-c", {0: 0.2, 10: 0.6})):
+        shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
+        _fake_evals(store, run_id, evals)
+        _stage("promote", cfg, store, run_id, tmp, env)
+        results.append(json.loads(
+            (store / "runs" / run_id / "state" / "promote" / "result.json").read_text()))
+    # the first is champion; 0.51 does not beat 0.5 by the margin; 0.6 does
+    assert [r["champion"] for r in results] == [True, False, True]
+    c = MlflowClient(tracking_uri=mlflow_server, registry_uri=mlflow_server)
+    aliases = c.get_registered_model("promo-test").aliases
+    assert aliases["champion"] == results[2]["model_version"]
+    assert aliases["previous-champion"] == results[0]["model_version"]
+    assert aliases["challenger"] == results[2]["model_version"]

@@ -207,11 +207,14 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
                    published=published, evaluated=time.time())
-    ctx.store.put_json(ctx.keys.eval_summary(version), summary)
-    EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
+    # the metrics are stored before the summary, which marks the version evaluated: a stage
+    # stopped in between evaluates it again (the same points), never leaves them unlogged
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
                               if isinstance(v, float)
                               and k not in ("seconds", "temperature", "published", "evaluated")})
+    ctx.metrics.flush()
+    ctx.store.put_json(ctx.keys.eval_summary(version), summary)
+    EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],
                  summary["mean_length"])
     return summary

@@ -53,9 +53,7 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     name, margin = cfg.promote.model_name, cfg.promote.margin
     c = client(cfg)
     run = find_or_create_run(cfg, ctx.run_id, c)
-    try:
-        c.get_registered_model(name)
-    except Exception:
+    if _found(lambda: c.get_registered_model(name)) is None:
         c.create_registered_model(name, description="ShardRL policies")
     mv = find_version(c, name, ctx.run_id, version)
     if mv is None:
@@ -86,8 +84,23 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
             "mlflow_run_id": run, "source": mv.source}
 
 
-def _alias(c, name: str, alias: str):
+MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+"""How the registry says a model or an alias does not exist (a server, the SQLite store)."""
+
+
+def _found(get):
+    """`get()`, or None when the registry has no such thing; any other registry error (a
+    server error, a locked database) is raised, not read as 'no champion', which would
+    promote the challenger unchallenged."""
+    from mlflow.exceptions import MlflowException
+
     try:
-        return c.get_model_version_by_alias(name, alias)
-    except Exception:
-        return None
+        return get()
+    except MlflowException as exc:
+        if exc.error_code in MISSING:
+            return None
+        raise
+
+
+def _alias(c, name: str, alias: str):
+    return _found(lambda: c.get_model_version_by_alias(name, alias))
