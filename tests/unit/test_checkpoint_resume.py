@@ -16,6 +16,7 @@ from shardrl.stages.checkpoint import (
 from shardrl.stages.learn.commit import Commit
 from shardrl.stages.learn.offload import Put, Writes
 from shardrl.store import LocalStore, RunKeys
+from shardrl.store.keys import folder_number
 from shardrl.store.records import Progress
 
 KEYS = RunKeys("r1")
@@ -27,8 +28,8 @@ def saved(store, *steps: int) -> None:
 
 
 def stored(store) -> list[int]:
-    return sorted({int(k.split("ckpt-")[1].split("/")[0]) for k in store.list(KEYS.root + "learner/")
-                   if "ckpt-" in k})
+    return sorted({s for k in store.list(KEYS.root + "learner/")
+                   if (s := folder_number(k, "learner")) is not None})
 
 
 def test_latest_is_taken_when_it_is_committed(tmp_path):

@@ -75,11 +75,13 @@ def _stored_steps(store: Store, keys: RunKeys) -> list[int]:
                    if (s := folder_number(k, "learner")) is not None})
 
 
-def committed_checkpoint(store: Store, keys: RunKeys, version: int) -> int | None:
-    """The checkpoint a learner resuming at committed `version` loads: LATEST's, unless it
-    is past `version` (its commit never landed: that step will be redone), then the newest
-    stored one at or before `version`, or None if there is none."""
-    latest = latest_checkpoint(store, keys)
+def committed_checkpoint(store: Store, keys: RunKeys, version: int,
+                         latest: int | None = None) -> int | None:
+    """The checkpoint a learner resuming at committed `version` loads: LATEST's (`latest`,
+    read when not given), unless it is past `version` (its commit never landed: that step
+    will be redone), then the newest stored one at or before `version`, or None if there
+    is none."""
+    latest = latest_checkpoint(store, keys) if latest is None else latest
     if latest is None or latest <= version:
         return latest
     return max((s for s in _stored_steps(store, keys) if s <= version), default=None)
@@ -88,14 +90,16 @@ def committed_checkpoint(store: Store, keys: RunKeys, version: int) -> int | Non
 def repair(store: Store, keys: RunKeys, version: int) -> int | None:
     """Point LATEST at `committed_checkpoint` and delete the checkpoints past `version`
     (written for commits that never landed), so no later resume loads one; that step."""
-    step = committed_checkpoint(store, keys, version)
+    latest = latest_checkpoint(store, keys)
+    step = committed_checkpoint(store, keys, version, latest)
     for late in (s for s in _stored_steps(store, keys) if s > version):
         for key in store.list(keys.learner_prefix(late)):
             store.delete(key)
-    if step is None:
-        store.delete(keys.latest_learner())
-    elif latest_checkpoint(store, keys) != step:
-        CheckpointPointer(step=step).write(store, keys.latest_learner())
+    if step != latest:
+        if step is None:
+            store.delete(keys.latest_learner())
+        else:
+            CheckpointPointer(step=step).write(store, keys.latest_learner())
     return step
 
 

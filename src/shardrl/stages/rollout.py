@@ -79,6 +79,15 @@ def main(ctx: StageContext) -> int:
                 if paused is None:
                     ctx.log.info("pausing: %s", flow.why)
                     paused = time.monotonic()
+                    # the counts with the last batch, stored now that its shards are: the
+                    # next reservation stores them only once the worker resumes, and a
+                    # worker stopped while it waits (most of its time when the learner sets
+                    # the pace) would resume without them and run ahead of its cap for good
+                    counted = WorkerState(next_seq=state.next_seq, version=state.version,
+                                          **flow.state())
+                    if counted != state:
+                        _store_state([], counted, store, state_key)
+                        state = counted
                 flow.pause(rc.poll_interval_s)
                 continue
             if paused is not None:  # woken by the learner's commit: how long after its capture
@@ -151,11 +160,6 @@ def main(ctx: StageContext) -> int:
                 writes.append(writer.submit(*job))
                 _log_metrics(ctx, engine.version, latest, table,
                              seconds * len(items) / len(prompt_ids), flow)
-            # the counts with this batch, stored once its shards are: a worker stopped while
-            # it waits on its backlog (most of its time when the learner sets the pace) must
-            # not resume without them, or it would run ahead of its cap for good
-            counted = WorkerState(next_seq=state.next_seq, version=state.version, **flow.state())
-            writes.append(writer.submit(_store_state, list(writes), counted, store, state_key))
             flow.generated(time.monotonic() - started)
     finally:
         writer.shutdown()  # waits for the writes still queued
@@ -176,9 +180,9 @@ def _settled(writes: list[Future]) -> list[Future]:
 
 
 def _store_state(previous: list[Future], state: WorkerState, store: Store, key: str) -> None:
-    """Store the worker's `state` (before a batch, its reservation; after one, the counts
-    that include it) once every shard write it counts has succeeded; a failed one raises
-    instead, so the saved counts never include a lost shard."""
+    """Store the worker's `state` (before a batch, its reservation; as it pauses, the counts
+    that include its last batch) once every shard write it counts has succeeded; a failed
+    one raises instead, so the saved counts never include a lost shard."""
     _settled(previous)
     state.write(store, key)
 

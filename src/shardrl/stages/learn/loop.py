@@ -115,8 +115,9 @@ class Learner:
             critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
         if self.version > 0:  # weights go in before the backend takes the modules over
             published = fetch_weights(store, keys, self.version)
-            ckpt = committed_checkpoint(store, keys, self.version)
-            if ckpt != (latest := latest_checkpoint(store, keys)):
+            latest = latest_checkpoint(store, keys)
+            ckpt = committed_checkpoint(store, keys, self.version, latest)
+            if ckpt != latest:
                 ctx.log.warning("checkpoint %s is past the committed version %d (the learner "
                                 "stopped before committing it): optimizer state from step %s",
                                 latest, self.version, ckpt)
