@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .graph import STAGE_NAMES
+from .lifetime import die_with_launcher
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -144,6 +145,7 @@ _HANDLERS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     args = build_parser().parse_args(argv)
     handler = _HANDLERS[args.command]
     if args.command == "stage" and args.supervise:  # restart the stage in this container

@@ -9,12 +9,15 @@ rank 0 may have written to the store, and the ledgers must agree.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +86,7 @@ def ready_shard(seq: int, vocab: int, rng: np.random.Generator) -> pa.Table:
     return pa.table(rows, schema=READY)
 
 
-def learn(store: Path, config: Path, ranks: int, *extra: str) -> None:
+def learn_command(store: Path, config: Path, ranks: int, *extra: str) -> tuple[list[str], dict]:
     argv = ["stage", "learn", "--config", str(config), "--run-id", RUN, "--store", str(store),
             *extra]
     launcher = [sys.executable, "-m", "shardrl.cli"]
@@ -93,9 +96,43 @@ def learn(store: Path, config: Path, ranks: int, *extra: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".shardrl" / "torch_extensions"),
                SHARDRL_CACHE=str(store.parent / "cache"))
-    done = subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True,
-                          timeout=900)
+    return [*launcher, *argv], env
+
+
+def learn(store: Path, config: Path, ranks: int, *extra: str) -> None:
+    command, env = learn_command(store, config, ranks, *extra)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def snapshot(store: Path, config: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "shardrl.cli", "stage", "snapshot", "--config",
+                           str(config), "--run-id", RUN, "--store", str(store)],
+                          env=dict(os.environ, SHARDRL_CACHE=str(store.parent / "cache")),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its reaper."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @needs_deepspeed
@@ -105,11 +142,7 @@ def test_two_zero3_ranks_match_the_torch_learner_and_resume(tmp_path: Path):
     ds_config = tmp_path / "ds.yaml"
     ds_config.write_text(f"extends: {config}\n{DEEPSPEED}")
     base = tmp_path / "base"
-    done = subprocess.run([sys.executable, "-m", "shardrl.cli", "stage", "snapshot", "--config",
-                           str(config), "--run-id", RUN, "--store", str(base)],
-                          env=dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache")),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    snapshot(base, config)
     keys = RunKeys(RUN)
     store = LocalStore(str(base))
     vocab = json.loads(store.get_bytes(keys.policy_file(0, "config.json")))["vocab_size"]
@@ -151,3 +184,46 @@ def test_two_zero3_ranks_match_the_torch_learner_and_resume(tmp_path: Path):
         steps += [s for n, s in zip(t.column("name").to_pylist(), t.column("step").to_pylist(),
                                     strict=True) if n == "learn/grad_norm"]
     assert sorted(steps) == [1, 2, 3]
+
+
+@needs_deepspeed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
+def test_ranks_die_with_their_killed_launcher(tmp_path: Path):
+    """torchrun starts each rank in a session of its own, so nothing that stops torchrun
+    reaches them: SIGKILLed (as the local runner's own death takes it down), it used to leave
+    both ranks running, rank 0 waiting for shards beside whatever learner came next."""
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    ds_config = tmp_path / "ds.yaml"
+    ds_config.write_text(f"extends: {config}\n{DEEPSPEED}")
+    store = tmp_path / "store"
+    snapshot(store, config)
+    command, env = learn_command(store, ds_config, 2)  # no shards: the learner waits for them
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        # each rank makes its cache folder, named with its pid, once it runs the stage
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ranks = children(launcher.pid)
+            cached = {p.name.rpartition("-")[2] for p in (tmp_path / "cache").glob(f"{RUN}/*")}
+            if len(ranks) == 2 and {str(p) for p in ranks} <= cached:
+                break
+            assert launcher.poll() is None, "the learner ended before its ranks started"
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the ranks did not start: {ranks}")
+        time.sleep(1.0)  # both ranks now wait: rank 0 for shards, rank 1 for rank 0's plan
+        assert all(alive(p) for p in ranks)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if alive(p)], "ranks outlived their launcher"
+    finally:
+        launcher.kill()
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
