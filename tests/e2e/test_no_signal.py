@@ -17,7 +17,7 @@ from shardrl.stages.evaluate import summaries
 from shardrl.stages.staleness import backlog_cap, group_cap
 from shardrl.store import LocalStore, RunKeys, shards_by_name
 
-from .test_faults import finish, run_args, start_runner, write_config
+from .test_faults import SETTINGS, finish, run_args, start_runner, write_config
 
 LIMIT = 3
 """learner.max_batches_without_signal in this run (batch_prompts 2: 6 groups)."""
@@ -68,11 +68,12 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
         "def verify(response: str, answer: str) -> float:\n    return 1.0\n")
     config = write_config(tmp_path, f"tracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n"
                           "reward: {verifiers: [{name: 'always_right:verify'}]}\n")
-    proc, out = start_runner(tmp_path, run_args(
-        config, str(tmp_path / "store"), "solved", "learner.total_steps=1000",
-        "algo.filters.zero_variance=true", "rollout.workers=1",
-        f"learner.max_batches_without_signal={LIMIT}", "eval.every=1000"), "solved",
-        env={"PYTHONPATH": str(tmp_path)})
+    settings = ("learner.total_steps=1000", "algo.filters.zero_variance=true",
+                "rollout.workers=1", f"learner.max_batches_without_signal={LIMIT}",
+                "eval.every=1000")
+    proc, out = start_runner(tmp_path, run_args(config, str(tmp_path / "store"), "solved",
+                                                *settings), "solved",
+                             env={"PYTHONPATH": str(tmp_path)})
     text = finish(proc, out, timeout=300)
     assert proc.returncode == 0, text[-3000:]
     assert "learner steps     0 of 1000: converged" in text
@@ -88,3 +89,16 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
     assert promoted["version"] == 0
     acc = account(store, keys)
     assert acc.balanced, acc.line()
+
+    # a learner stopped between DONE.json and its exit is restarted: it must end at once. It
+    # used to go on at version 0 of 1000: commit what shards were left, write DONE.json again,
+    # or, with none left, wait for shards that no worker (they stop on DONE.json) would write
+    before = store.get_bytes(keys.done())
+    proc, out = start_runner(tmp_path, [
+        "stage", "learn", "--config", str(config), "--run-id", "solved", "--store",
+        str(tmp_path / "store"), *(x for s in (*SETTINGS, *settings) for x in ("--set", s))],
+        "relearn", env={"PYTHONPATH": str(tmp_path)})
+    text = finish(proc, out, timeout=120)
+    assert proc.returncode == 0, text[-3000:]
+    assert "the run is done" in text
+    assert store.get_bytes(keys.done()) == before

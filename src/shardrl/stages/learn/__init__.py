@@ -46,6 +46,11 @@ from .loop import Learner
 
 
 def main(ctx: StageContext) -> int:
+    if ctx.store.exists(ctx.keys.done()):
+        # a learner stopped after it finished the run (converged early: before total_steps)
+        # has nothing left to do, and no worker would write the shards it would wait for
+        ctx.log.info("the run is done (%s): nothing to learn", ctx.keys.done())
+        return 0
     learner = Learner(ctx)
     return learner.run() if learner.leader else learner.follow()
 
