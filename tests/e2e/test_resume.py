@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from shardrl.config import load_config
-from shardrl.orchestrate.local import LocalRun
+from shardrl.orchestrate.local import LocalRun, prepare_run
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import MetricsSink
 from shardrl.store import LocalStore, RunKeys, open_store
@@ -101,3 +103,50 @@ def test_resume_of_an_unknown_run_says_so(tmp_path):
                   timeout=120)
     assert res.returncode != 0
     assert "--resume nope: no run.json under" in res.stderr
+
+
+def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):
+    """Starting `shardrl run` again with a finished or interrupted run's id used to go on with
+    that run under the new config (its stages read the new one, run.json held the old)."""
+    config = write_config(tmp_path)
+    store = LocalStore(tmp_path / "store")
+    keys = RunKeys("taken")
+    store.put_json(keys.run_json(), {"config": {}})
+    before = sorted(store.list(""))
+    res = run_cli(run_args(config, str(tmp_path / "store"), "taken"), tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "run taken already exists in" in res.stderr
+    assert "`shardrl run --resume taken --store " in res.stderr
+    assert sorted(store.list("")) == before  # nothing written, no stage started
+    res = run_cli(run_args(config, str(tmp_path / "store"), "no/such"), tmp_path, timeout=120)
+    assert res.returncode == 1 and "run_id must match" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny_config):
+    """The store was deleted (or another one is used) but the MLflow database kept the earlier
+    run of that id: a new run would have logged into it, and promote registered its model on
+    it. A run interrupted before its snapshot finished (the store holds some of it) still
+    starts again on its own MLflow run."""
+    from shardrl.tracking.mlflow_run import find_or_create_run
+
+    cfg = load_config(str(tiny_config))
+    earlier = find_or_create_run(cfg, "again")
+    res = run_cli(run_args(tiny_config, str(tmp_path / "store"), "again"), tmp_path, timeout=180)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert f"run id again already names MLflow run {earlier}" in res.stderr
+    assert not LocalStore(tmp_path / "store").exists(RunKeys("again").run_json())
+
+    # the same id with part of the run in the store (a runner stopped during the snapshot):
+    # the runner's own, which it goes on with
+    def prepared(store: Path) -> LocalRun:
+        args = argparse.Namespace(resume=None, config=str(tiny_config), overrides=[],
+                                  run_id="again", store=str(store))
+        return prepare_run(args)
+
+    assert prepared(tmp_path / "empty").new  # its own logs folder aside, nothing there
+    partial = LocalStore(tmp_path / "partial")
+    partial.put_json(RunKeys("again").root + "policy/v000000/model.safetensors.part", {})
+    lr = prepared(tmp_path / "partial")
+    assert not lr.new
+    assert find_or_create_run(cfg, "again", new=lr.new) == earlier

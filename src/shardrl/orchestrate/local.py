@@ -24,6 +24,7 @@ from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
 from ..store.records import Aborted
+from ..tracking.mlflow_run import RunIdTaken
 from .fork import Forked, fork_stage
 from .rss import PeakRss, record
 
@@ -62,6 +63,9 @@ class LocalRun:
     """Peak resident memory per stage, sampled while the stages run."""
     channel: Path | None = None
     """The weights channel's folder (`pipeline.local.weights_channel`), while the run runs."""
+    new: bool = False
+    """Whether the store held nothing of this run id when the runner started (its own logs
+    aside): no MLflow run may be tagged with the id yet."""
     interrupted: Callable[[], bool] = lambda: False
     """Whether Ctrl-C or SIGTERM reached the runner (`run` sets it)."""
 
@@ -183,6 +187,12 @@ class LocalRun:
 
 
 def prepare_run(args) -> LocalRun:
+    for run_id in (args.resume, args.run_id):
+        if run_id is not None:
+            try:
+                RunKeys(run_id)
+            except ValueError as exc:
+                raise SystemExit(f"shardrl run: {exc}") from None
     if args.resume:
         run_id = args.resume
         store_uri = args.store or (load_config(args.config).store.uri if args.config else "runs")
@@ -203,13 +213,21 @@ def prepare_run(args) -> LocalRun:
         if getattr(args, "create_bucket", False) and hasattr(store, "create_bucket"):
             if store.create_bucket():
                 print(f"created bucket {store.bucket!r} at {store.endpoint}", flush=True)
+        keys = RunKeys(run_id)
+        if store.exists(keys.run_json()):  # starting it again would mix two configs in one run
+            raise SystemExit(
+                f"shardrl run: run {run_id} already exists in {store_uri}; continue it with "
+                f"`shardrl run --resume {run_id}"
+                + (f" --store {args.store}" if args.store else "") + "`, or pick another --run-id")
+    logs = keys.root + "logs/"  # a folder store's runner logs live under the run's root
+    new = not any(not k.startswith(logs) for k in store.list(keys.root))
     log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
     if store_uri.startswith("file://"):
         log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path)
+    return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path, new=new)
 
 
 EXIT_INTERRUPTED = 130
@@ -259,7 +277,7 @@ def run(args) -> int:
     try:
         lr = prepare_run(args)
         monitor = Monitor(lr, progress_bar=not args.no_progress)
-    except ConfigError as exc:
+    except (ConfigError, RunIdTaken) as exc:
         print(exc, file=sys.stderr)
         return 1
     except StoreUnavailable as exc:

@@ -39,7 +39,7 @@ class Monitor:
         self.mlflow = None
         if lr.cfg.tracking.enabled:
             self.client = client(lr.cfg)
-            self.mlflow = find_or_create_run(lr.cfg, lr.run_id, self.client)
+            self.mlflow = find_or_create_run(lr.cfg, lr.run_id, self.client, new=lr.new)
 
     def say(self, text: str) -> None:
         (self.bar.write if self.bar else print)(text)

@@ -47,11 +47,25 @@ def experiment_id(cfg: RunConfig, c) -> str:
                                artifact_location=_artifact_root(tracking_uri(cfg)))
 
 
-def find_or_create_run(cfg: RunConfig, run_id: str, c=None) -> str:
-    """The MLflow run id tagged with this pipeline run id (created with params if missing)."""
+class RunIdTaken(Exception):
+    """A new pipeline run's id already tags an MLflow run (of an earlier run by that id)."""
+
+
+def find_or_create_run(cfg: RunConfig, run_id: str, c=None, new: bool = False) -> str:
+    """The MLflow run id tagged with this pipeline run id (created with params if missing).
+
+    `new`: the pipeline run starts from nothing, so an MLflow run tagged with its id belongs
+    to an earlier run of that id (its store deleted, or another store): RunIdTaken, instead
+    of mixing two runs' metrics and models in one MLflow run."""
     c = c or client(cfg)
     exp = experiment_id(cfg, c)
     found = c.search_runs([exp], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'", max_results=1)
+    if found and new:
+        raise RunIdTaken(
+            f"shardrl run: run id {run_id} already names MLflow run {found[0].info.run_id} in "
+            f"experiment {cfg.tracking.experiment!r} at {tracking_uri(cfg)}, from an earlier "
+            f"run whose store no longer holds it; pick another --run-id, or delete that MLflow "
+            f"run first")
     if found:
         return found[0].info.run_id
     run = c.create_run(exp, run_name=run_id, tags={RUN_TAG: run_id,
