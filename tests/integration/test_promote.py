@@ -56,8 +56,9 @@ def registry(tmp_path_factory):
     return tmp, cfg, store
 
 
-def _promote(registry, run_id: str, evals: dict[int, float]) -> dict:
-    tmp, cfg, store = registry
+def _promote(registry, run_id: str, evals: dict[int, float], cfg: Path | None = None) -> dict:
+    tmp, base_cfg, store = registry
+    cfg = cfg or base_cfg
     shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
     _fake_evals(store, run_id, evals)
     _stage("promote", cfg, store, run_id, tmp)
@@ -86,6 +87,25 @@ def test_champion_moves_only_when_beaten_by_the_margin(registry):
     better = _promote(registry, "run-c", {0: 0.10, 5: 0.60})
     assert better["champion"]
     assert _aliases(tmp) == {"champion": "3", "challenger": "3", "previous-champion": "1"}
+
+
+def test_a_champion_without_the_metric_tag_stays_champion(registry):
+    """A champion set by hand (or promoted on another metric) has nothing to compare with:
+    it used to be replaced by any challenger; now it stays, and the result says why."""
+    tmp, cfg, _ = registry
+    untagged = tmp / "untagged.yaml"
+    untagged.write_text(f"extends: {cfg}\npromote: {{model_name: promo-untagged}}\n")
+    c = _client(tmp)
+    c.create_registered_model("promo-untagged")
+    chosen = c.create_model_version("promo-untagged", source=str(tmp / "by-hand"))
+    c.set_registered_model_alias("promo-untagged", "champion", chosen.version)
+    result = _promote(registry, "run-u", {0: 0.10, 5: 0.90}, untagged)
+    assert result["champion"] is False
+    assert f"version {chosen.version} has no eval.pass_at_1 tag" in result["champion_kept"]
+    assert str(c.get_model_version_by_alias("promo-untagged", "champion").version) == \
+        str(chosen.version)
+    assert str(c.get_model_version_by_alias("promo-untagged", "challenger").version) == \
+        str(result["model_version"])
 
 
 def _client(tmp: Path):

@@ -107,6 +107,7 @@ def report_html(run_id: str, summary: dict, metrics: dict[str, float],
     promoted = (f"<p>Registered {esc(str(promo.get('model_name')))} "
                 f"v{esc(str(promo.get('model_version')))} (policy v{esc(str(promo.get('version')))}"
                 f"{', champion' if promo.get('champion') else ', challenger only'})</p>"
+                + (f"<p>{esc(promo['champion_kept'])}</p>" if promo.get("champion_kept") else "")
                 if promo else "<p>No model was registered.</p>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ShardRL run "
             f"{esc(run_id)}</title></head><body><h1>ShardRL run {esc(run_id)}</h1>"

@@ -119,6 +119,8 @@ class Monitor:
             print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
                   f"(policy v{promo['version']}, {promo['metric']} {promo['value']:.3f}"
                   f"{', champion' if promo.get('champion') else ', challenger only'})")
+            if promo.get("champion_kept"):
+                print(f"                  {promo['champion_kept']}")
         uri = tracking_uri(lr.cfg)
         print(f"MLflow            {uri}")
         print(f"                  open the UI: .venv/bin/mlflow ui --backend-store-uri {uri}")

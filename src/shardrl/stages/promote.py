@@ -71,17 +71,26 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                      name, mv.version, version)
     c.set_registered_model_alias(name, "challenger", mv.version)
     champion = _alias(c, name, "champion")
-    promoted = False
+    promoted, kept = False, None
+    held = None if champion is None else champion.tags.get(f"eval.{cfg.promote.metric}")
     if champion is not None and champion.version == mv.version:
         promoted = True  # an earlier attempt made it champion
-    elif champion is None or metric > float(champion.tags.get(f"eval.{cfg.promote.metric}", "-inf")) + margin:
+    elif champion is not None and held is None:
+        # set by hand, or promoted on another metric: nothing to compare with, and replacing
+        # a model someone chose unseen is worse than asking them
+        kept = (f"champion {name} version {champion.version} has no eval.{cfg.promote.metric} "
+                f"tag to compare with; it stays champion. Compare it with challenger version "
+                f"{mv.version} and move the alias by hand, or tag it eval."
+                f"{cfg.promote.metric}=VALUE for later runs to compare")
+        ctx.log.warning("promote: %s", kept)
+    elif champion is None or metric > float(held) + margin:
         if champion is not None:
             c.set_registered_model_alias(name, "previous-champion", champion.version)
         c.set_registered_model_alias(name, "champion", mv.version)
         promoted = True
     c.set_tag(run, "shardrl.registered_version", mv.version)
     return {"model_name": name, "model_version": mv.version, "champion": promoted,
-            "mlflow_run_id": run, "source": mv.source}
+            "mlflow_run_id": run, "source": mv.source, **({"champion_kept": kept} if kept else {})}
 
 
 MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
