@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 
 from ..config.stages import StandbyConfig
 from ..store import RunKeys, Store
+from ..store.keys import parse_shard_key
 from ..store.records import Buffered, Progress, RetiredChange, Taken, WorkerState
 from ..store.schemas import ROLLOUT
 from ..store.shards import write_shard
@@ -37,6 +38,8 @@ MIN_ROUND_KEEP_RATE = 0.25
 """`--once` with score and prepare as stages: a round writes at most 1 / this times its share
 of groups, however many the learner's filtering dropped so far."""
 MAX_EMPTY_SHARDS = 20
+LOST_CHECK_S = 5.0
+"""Seconds of pausing between two looks for this worker's shards in quarantine."""
 """Rollout shards in a row whose every prompt was too long before the stage gives up."""
 
 
@@ -152,10 +155,10 @@ def main(ctx: StageContext) -> int:
                         scored, ready = post.process(table)
                     ctx.metrics.log(engine.version, {"post_s": time.monotonic() - post_started})
                     prep_state = post.preparer.record(key, ready)
-                    flow.wrote(len(items), ready)
+                    flow.wrote(seq, len(items), ready)
                     job = (_write_inline, reserved, post, key, table, scored, ready, prep_state)
                 else:
-                    flow.wrote(len(items), None)
+                    flow.wrote(seq, len(items), None)
                     job = (_write_reserved, reserved, store, key, table)
                 writes.append(writer.submit(*job))
                 _log_metrics(ctx, engine.version, latest, table,
@@ -228,7 +231,8 @@ class Flow:
     not committed reach `staleness.backlog_cap`, or, with `rollout.lead_counted_at: take`,
     while those it has not yet taken into a step fill `staleness.lead_cap`. With inline
     post-processing the worker knows each shard's kept groups; otherwise it estimates them
-    with the keep rate of its groups the learner committed so far. A standby worker
+    with the keep rate of its groups the learner committed so far. Its shards that a stage
+    quarantined no longer count (`check_lost`). A standby worker
     (`rollout.standby`) also pauses while `Standby` says the learner has data enough."""
 
     def __init__(self, ctx: StageContext, state: WorkerState, exact: bool,
@@ -249,6 +253,13 @@ class Flow:
         """Why `full` last said to pause, for the log."""
         self.groups = state.groups_written
         self.kept = state.kept_written
+        self.written: dict[int, tuple[int, int]] = {}
+        """(groups, kept groups) of each shard this process wrote, by sequence number."""
+        self.lost: dict[int, tuple[int, float]] = {}
+        """(groups, kept groups) of this worker's shards a stage quarantined, by sequence
+        number: the learner can never commit them (see `check_lost`)."""
+        self.lost_checked: float | None = None
+        """`paused_s` at the last look for them; None before the first."""
         self.arrivals = ctx.store.watch(ctx.keys.root + "state/learn/", depth=0)
         self.started = time.monotonic()
         self.paused_s = 0.0
@@ -274,20 +285,59 @@ class Flow:
         """The counts the worker's state records (those before the reserved shards)."""
         return {"groups_written": self.groups, "kept_written": self.kept}
 
-    def wrote(self, groups: int, ready: pa.Table | None) -> None:
+    def wrote(self, seq: int, groups: int, ready: pa.Table | None) -> None:
         from .inline import kept_groups
 
         kept = kept_groups(ready) if ready is not None else groups
+        self.written[seq] = (groups, kept)
         self.groups += groups
         self.kept += kept
         self.round_kept += kept
         self.round_groups += groups
 
+    @property
+    def live_groups(self) -> int:
+        """Prompt groups written, less those in shards a stage quarantined."""
+        return self.groups - sum(g for g, _ in self.lost.values())
+
+    @property
+    def live_kept(self) -> float:
+        """Kept groups written, less those in shards a stage quarantined."""
+        return self.kept - sum(k for _, k in self.lost.values())
+
+    def check_lost(self) -> None:
+        """Look for this worker's shards in quarantine: a stage that could not read one (a
+        corrupt or foreign file) moved it there, so the learner never commits its groups,
+        and counted as waiting they would shrink the worker's cap for good (a small cap to
+        nothing: the run would stop). Their groups leave the backlog; a shard written
+        before this process started counts as an average one of this worker."""
+        keys, prefix = self.ctx.keys, self.ctx.keys.quarantine_prefix()
+        for key in self.ctx.store.list(prefix):
+            if not key.endswith(".parquet"):
+                continue
+            try:
+                stage, original = keys.unquarantined(key)
+                shard = parse_shard_key(original)
+            except ValueError:
+                continue
+            if shard.worker != self.ctx.worker or shard.seq in self.lost:
+                continue
+            known = self.written.get(shard.seq)
+            if known is None:
+                groups = self.ctx.cfg.rollout.prompts_per_shard
+                known = (groups, groups * keep_rate(self.kept, self.groups) if self.exact
+                         else groups)
+            self.lost[shard.seq] = known
+            self.ctx.log.warning(
+                "%s quarantined this worker's shard %s (see %s.error.json): its %d prompt "
+                "groups (%.0f kept) will never be committed and no longer count as waiting",
+                stage, original, key, known[0], known[1])
+
     def backlog(self, progress: Progress) -> float:
         if self.exact:
-            return backlog(progress, self.ctx.worker, self.groups, self.kept)
+            return backlog(progress, self.ctx.worker, self.live_groups, self.live_kept)
         buffered = Buffered.read(self.ctx.store, self.ctx.keys.buffered())
-        return backlog(progress, self.ctx.worker, self.groups, None, buffered)
+        return backlog(progress, self.ctx.worker, self.live_groups, None, buffered)
 
     def ahead(self, progress: Progress) -> int:
         """The steps a worker may run ahead of the learner (`staleness.steps_ahead`)."""
@@ -314,7 +364,7 @@ class Flow:
             worker = self.ctx.worker
             taken = self.taken.kept_groups_by_worker.get(worker, 0) if self.taken else 0
             done = max(taken, progress.kept_groups_by_worker.get(worker, 0))
-            return lead_cap(self.share, ahead) - kept_backlog(self.kept, done)
+            return lead_cap(self.share, ahead) - kept_backlog(self.live_kept, done)
         return self.cap(progress) - self.backlog(progress)
 
     def newest(self, progress: Progress) -> int:
@@ -324,7 +374,7 @@ class Flow:
 
     def waiting_groups(self, progress: Progress) -> int:
         """Prompt groups, kept or not, this worker wrote that the learner has not committed."""
-        return max(0, self.groups - progress.groups_by_worker.get(self.ctx.worker, 0))
+        return max(0, self.live_groups - progress.groups_by_worker.get(self.ctx.worker, 0))
 
     def full(self, progress: Progress) -> bool:
         if self.at_take or self.standby is not None:
@@ -349,7 +399,11 @@ class Flow:
         return False
 
     def pause(self, timeout: float) -> None:
-        """Wait for the learner's next commit (or `timeout`)."""
+        """Wait for the learner's next commit (or `timeout`); now and then (at the first
+        pause, then every `LOST_CHECK_S` seconds of pausing) look for quarantined shards."""
+        if self.lost_checked is None or self.paused_s - self.lost_checked >= LOST_CHECK_S:
+            self.lost_checked = self.paused_s
+            self.check_lost()
         started = time.monotonic()
         self.arrivals.wait(timeout)
         self.paused_s += time.monotonic() - started
