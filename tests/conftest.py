@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -14,3 +15,16 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
     """One SeaweedFS S3 server for the whole test session; give each test its own prefix."""
     with seaweed_server(tmp_path_factory.mktemp("seaweed")) as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def mlflow_uri_kept() -> Iterator[None]:
+    """`mlflow.set_tracking_uri`, which a test's in-process stage or helper may call, exports
+    MLFLOW_TRACKING_URI; left set, it would win over the config of every later test's stages
+    (their MLflow runs and model versions would land in that test's database)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before

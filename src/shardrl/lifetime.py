@@ -11,7 +11,6 @@ import sys
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
-_LAUNCHER_MODULES = (b"torch.distributed.run", b"torch.distributed.launch")
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -41,26 +40,15 @@ def die_with_launcher() -> None:
     The elastic agent starts each rank in a session of its own, so the signals and the
     die-with-parent that reach `torchrun` (the local runner's SIGKILL, Ctrl-C) stop there: a
     rank whose launcher was killed went on running and could race the ranks of the restarted
-    learner. A rank whose launcher died before this call exits at once: its parent is then no
-    longer a `torchrun` process."""
+    learner. A rank whose launcher died before this call (its parent is then init) exits."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     parent = os.getppid()
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent or not _is_launcher(parent):
+    if parent == 1 or os.getppid() != parent:
+        print("this rank's launcher (torchrun) has exited: stopping", file=sys.stderr, flush=True)
         os._exit(1)
-
-
-def _is_launcher(pid: int) -> bool:
-    """Whether process `pid` runs `torchrun` (the command, or `-m torch.distributed.run` or
-    `.launch`)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return any(a.endswith(b"torchrun") or a in _LAUNCHER_MODULES for a in argv)
 
 
 def running(pid: int) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardrl.config import load_config
-from shardrl.orchestrate.local import LocalRun, prepare_run
+from shardrl.orchestrate.local import LocalRun, prepare_run, started_key
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import MetricsSink
 from shardrl.store import LocalStore, RunKeys, open_store
@@ -126,27 +126,55 @@ def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):
 def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny_config):
     """The store was deleted (or another one is used) but the MLflow database kept the earlier
     run of that id: a new run would have logged into it, and promote registered its model on
-    it. A run interrupted before its snapshot finished (the store holds some of it) still
-    starts again on its own MLflow run."""
+    it. A run stopped before its snapshot wrote anything (the runner had created its MLflow
+    run) starts again on that MLflow run."""
     from shardrl.tracking.mlflow_run import find_or_create_run
 
     cfg = load_config(str(tiny_config))
     earlier = find_or_create_run(cfg, "again")
-    res = run_cli(run_args(tiny_config, str(tmp_path / "store"), "again"), tmp_path, timeout=180)
-    assert res.returncode == 1, res.stderr[-2000:]
-    assert f"run id again already names MLflow run {earlier}" in res.stderr
-    assert not LocalStore(tmp_path / "store").exists(RunKeys("again").run_json())
+    store = LocalStore(tmp_path / "store")
+    for _ in range(2):  # refused, and refused again: the refusal leaves no trace to reuse
+        res = run_cli(run_args(tiny_config, str(tmp_path / "store"), "again"), tmp_path,
+                      timeout=180)
+        assert res.returncode == 1, res.stderr[-2000:]
+        assert f"run id again already names MLflow run {earlier}" in res.stderr
+        assert not store.exists(RunKeys("again").run_json())
+        assert not store.exists(started_key(RunKeys("again")))
 
-    # the same id with part of the run in the store (a runner stopped during the snapshot):
-    # the runner's own, which it goes on with
-    def prepared(store: Path) -> LocalRun:
+    def prepared(root: Path) -> LocalRun:
         args = argparse.Namespace(resume=None, config=str(tiny_config), overrides=[],
-                                  run_id="again", store=str(store))
+                                  run_id="again", store=str(root))
         return prepare_run(args)
 
     assert prepared(tmp_path / "empty").new  # its own logs folder aside, nothing there
-    partial = LocalStore(tmp_path / "partial")
-    partial.put_json(RunKeys("again").root + "policy/v000000/model.safetensors.part", {})
-    lr = prepared(tmp_path / "partial")
+    # the runner's mark, as a runner stopped during the snapshot's SFT leaves it
+    LocalStore(tmp_path / "stopped").put_json(started_key(RunKeys("again")), {"time": 0})
+    lr = prepared(tmp_path / "stopped")
     assert not lr.new
     assert find_or_create_run(cfg, "again", new=lr.new) == earlier
+    # such a run cannot be resumed (there is nothing to resume from): the error says what to do
+    res = run_cli(["run", "--resume", "again", "--store", str(tmp_path / "stopped")], tmp_path,
+                  timeout=120)
+    assert res.returncode == 1
+    assert "stopped before its snapshot finished" in res.stderr
+    assert "start it again with `shardrl run CONFIG --run-id again --store " in res.stderr
+
+
+def test_a_started_run_marks_the_store_before_any_stage(tmp_path, tiny_config):
+    """The mark is written once the MLflow run exists, before the snapshot: stopped during
+    the snapshot, the run is the runner's own when started again."""
+    store = LocalStore(tmp_path / "store")
+    keys = RunKeys("marked")
+    proc, out = start_runner(tmp_path, run_args(tiny_config, str(tmp_path / "store"), "marked"),
+                             "marked")
+    try:
+        wait_for(lambda: store.exists(started_key(keys)), 120, "the runner's mark")
+        assert not store.exists(keys.run_json())  # before the snapshot finished
+    finally:
+        proc.send_signal(signal.SIGINT)
+        finish(proc, out, timeout=120)
+    proc, out = start_runner(tmp_path, run_args(tiny_config, str(tmp_path / "store"), "marked"),
+                             "marked-again")
+    text = finish(proc, out, timeout=600)
+    assert proc.returncode == 0, text[-3000:]
+    assert store.exists(keys.done())

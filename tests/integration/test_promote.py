@@ -101,11 +101,17 @@ def test_a_champion_without_the_metric_tag_stays_champion(registry):
     c.set_registered_model_alias("promo-untagged", "champion", chosen.version)
     result = _promote(registry, "run-u", {0: 0.10, 5: 0.90}, untagged)
     assert result["champion"] is False
-    assert f"version {chosen.version} has no eval.pass_at_1 tag" in result["champion_kept"]
+    assert f"version {chosen.version} has no numeric eval.pass_at_1 tag" in result["champion_kept"]
     assert str(c.get_model_version_by_alias("promo-untagged", "champion").version) == \
         str(chosen.version)
     assert str(c.get_model_version_by_alias("promo-untagged", "challenger").version) == \
         str(result["model_version"])
+    # a tag that is not a number compares with nothing either (it used to fail the promote)
+    c.set_model_version_tag("promo-untagged", chosen.version, "eval.pass_at_1", "n/a")
+    again = _promote(registry, "run-u2", {0: 0.10, 5: 0.95}, untagged)
+    assert again["champion"] is False and "no numeric" in again["champion_kept"]
+    assert str(c.get_model_version_by_alias("promo-untagged", "champion").version) == \
+        str(chosen.version)
 
 
 def _client(tmp: Path):

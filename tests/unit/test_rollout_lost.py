@@ -10,7 +10,7 @@ import logging
 
 from shardrl.config import load_config
 from shardrl.stages.context import StageContext
-from shardrl.stages.rollout import LOST_CHECK_S, Flow
+from shardrl.stages.rollout import LOST_CHECK_S, REMEMBERED_SHARDS, Flow
 from shardrl.store import LocalStore
 from shardrl.store.records import Progress, WorkerState
 
@@ -84,3 +84,11 @@ def test_the_worker_looks_again_only_after_pausing_a_while(tmp_path):
     f.paused_s += LOST_CHECK_S
     f.pause(0.0)
     assert 0 in f.lost
+
+
+def test_a_worker_remembers_the_counts_of_its_newest_shards_only(tmp_path):
+    f, _ = make_flow(tmp_path)
+    for seq in range(REMEMBERED_SHARDS + 3):
+        f.wrote(seq, 16, None)
+    assert len(f.written) == REMEMBERED_SHARDS
+    assert min(f.written) == 3 and max(f.written) == REMEMBERED_SHARDS + 2

@@ -199,6 +199,12 @@ def prepare_run(args) -> LocalRun:
         store = open_store(store_uri)
         keys = RunKeys(run_id)
         if not store.exists(keys.run_json()):
+            if store.exists(started_key(keys)):
+                raise SystemExit(
+                    f"--resume {run_id}: the run stopped before its snapshot finished (no "
+                    f"run.json under {store_uri}/{keys.root}); start it again with `shardrl run "
+                    f"CONFIG --run-id {run_id}" + (f" --store {args.store}" if args.store else "")
+                    + "`")
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
         cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
         store = open_store(store_uri, retry_policy(cfg))
@@ -220,7 +226,7 @@ def prepare_run(args) -> LocalRun:
                 f"`shardrl run --resume {run_id}"
                 + (f" --store {args.store}" if args.store else "") + "`, or pick another --run-id")
     logs = keys.root + "logs/"  # a folder store's runner logs live under the run's root
-    new = not any(not k.startswith(logs) for k in store.list(keys.root))
+    new = not args.resume and not any(not k.startswith(logs) for k in store.list(keys.root))
     log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
     if store_uri.startswith("file://"):
         log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
@@ -242,6 +248,13 @@ def _signal(pid: int, sig: int) -> None:
     except ProcessLookupError:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def started_key(keys: RunKeys) -> str:
+    """The runner's mark that it started run `keys.run_id` (and may have created its MLflow
+    run), written before any stage: a run stopped before its snapshot wrote anything is then
+    started again under its own id, not refused as an earlier run's."""
+    return keys.state("runner", "started.json")
 
 
 def clear_abort(store: Store, keys: RunKeys) -> None:
@@ -277,6 +290,8 @@ def run(args) -> int:
     try:
         lr = prepare_run(args)
         monitor = Monitor(lr, progress_bar=not args.no_progress)
+        if lr.new:
+            lr.store.put_json(started_key(lr.keys), {"time": time.time()})
     except (ConfigError, RunIdTaken) as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -72,18 +72,18 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     c.set_registered_model_alias(name, "challenger", mv.version)
     champion = _alias(c, name, "champion")
     promoted, kept = False, None
-    held = None if champion is None else champion.tags.get(f"eval.{cfg.promote.metric}")
+    held = None if champion is None else _number(champion.tags.get(f"eval.{cfg.promote.metric}"))
     if champion is not None and champion.version == mv.version:
         promoted = True  # an earlier attempt made it champion
     elif champion is not None and held is None:
         # set by hand, or promoted on another metric: nothing to compare with, and replacing
         # a model someone chose unseen is worse than asking them
-        kept = (f"champion {name} version {champion.version} has no eval.{cfg.promote.metric} "
-                f"tag to compare with; it stays champion. Compare it with challenger version "
+        kept = (f"champion {name} version {champion.version} has no numeric "
+                f"eval.{cfg.promote.metric} tag to compare with; it stays champion. Compare it with challenger version "
                 f"{mv.version} and move the alias by hand, or tag it eval."
                 f"{cfg.promote.metric}=VALUE for later runs to compare")
         ctx.log.warning("promote: %s", kept)
-    elif champion is None or metric > float(held) + margin:
+    elif champion is None or metric > held + margin:
         if champion is not None:
             c.set_registered_model_alias(name, "previous-champion", champion.version)
         c.set_registered_model_alias(name, "champion", mv.version)
@@ -91,6 +91,14 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     c.set_tag(run, "shardrl.registered_version", mv.version)
     return {"model_name": name, "model_version": mv.version, "champion": promoted,
             "mlflow_run_id": run, "source": mv.source, **({"champion_kept": kept} if kept else {})}
+
+
+def _number(tag: str | None) -> float | None:
+    """A metric tag's value; None when there is none or it is not a number."""
+    try:
+        return float(tag) if tag is not None else None
+    except ValueError:
+        return None
 
 
 MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")

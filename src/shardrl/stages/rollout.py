@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -38,9 +38,14 @@ MIN_ROUND_KEEP_RATE = 0.25
 """`--once` with score and prepare as stages: a round writes at most 1 / this times its share
 of groups, however many the learner's filtering dropped so far."""
 MAX_EMPTY_SHARDS = 20
+"""Rollout shards in a row whose every prompt was too long before the stage gives up."""
 LOST_CHECK_S = 5.0
 """Seconds of pausing between two looks for this worker's shards in quarantine."""
-"""Rollout shards in a row whose every prompt was too long before the stage gives up."""
+LOST_STAGES = ("score", "prepare", "learn")
+"""The stages that read a worker's shards, so may quarantine them."""
+REMEMBERED_SHARDS = 4096
+"""Shards whose counts a worker remembers (the newest): one older than that the learner has
+read long since, so it is no longer found in quarantine for the first time."""
 
 
 def main(ctx: StageContext) -> int:
@@ -253,8 +258,9 @@ class Flow:
         """Why `full` last said to pause, for the log."""
         self.groups = state.groups_written
         self.kept = state.kept_written
-        self.written: dict[int, tuple[int, int]] = {}
-        """(groups, kept groups) of each shard this process wrote, by sequence number."""
+        self.written: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        """(groups, kept groups) of the last `REMEMBERED_SHARDS` shards this process wrote,
+        by sequence number."""
         self.lost: dict[int, tuple[int, float]] = {}
         """(groups, kept groups) of this worker's shards a stage quarantined, by sequence
         number: the learner can never commit them (see `check_lost`)."""
@@ -290,6 +296,8 @@ class Flow:
 
         kept = kept_groups(ready) if ready is not None else groups
         self.written[seq] = (groups, kept)
+        if len(self.written) > REMEMBERED_SHARDS:
+            self.written.popitem(last=False)
         self.groups += groups
         self.kept += kept
         self.round_kept += kept
@@ -310,9 +318,10 @@ class Flow:
         corrupt or foreign file) moved it there, so the learner never commits its groups,
         and counted as waiting they would shrink the worker's cap for good (a small cap to
         nothing: the run would stop). Their groups leave the backlog; a shard written
-        before this process started counts as an average one of this worker."""
+        before this process started (or long before) counts as an average one of this worker."""
         keys, prefix = self.ctx.keys, self.ctx.keys.quarantine_prefix()
-        for key in self.ctx.store.list(prefix):
+        found = (k for stage in LOST_STAGES for k in self.ctx.store.list(f"{prefix}{stage}/"))
+        for key in found:
             if not key.endswith(".parquet"):
                 continue
             try:
