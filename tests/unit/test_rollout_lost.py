@@ -92,3 +92,30 @@ def test_a_worker_remembers_the_counts_of_its_newest_shards_only(tmp_path):
         f.wrote(seq, 16, None)
     assert len(f.written) == REMEMBERED_SHARDS
     assert min(f.written) == 3 and max(f.written) == REMEMBERED_SHARDS + 2
+
+
+def test_pause_lines_come_at_most_once_a_minute(tmp_path, monkeypatch):
+    from shardrl.stages import rollout
+
+    f, ctx = make_flow(tmp_path)
+    now = [100.0]
+    monkeypatch.setattr(rollout.time, "monotonic", lambda: now[0])
+    lines: list[str] = []
+
+    class Log:
+        def info(self, fmt, *args):
+            lines.append(fmt % args)
+
+    pauses = rollout.PauseLog(Log(), f, every=60.0)
+    pauses.pausing("17 kept groups not yet committed (cap 16)")
+    assert lines == ["pausing: 17 kept groups not yet committed (cap 16)"]
+    for _ in range(29):  # a pause every 2 s, paused 1 s of each
+        now[0] += 2.0
+        f.paused_s += 1.0
+        pauses.pausing("18 kept groups not yet committed (cap 16)")
+    assert len(lines) == 1
+    now[0] += 2.0
+    f.paused_s += 1.0
+    pauses.pausing("19 kept groups not yet committed (cap 16)")
+    assert lines[1:] == ["pausing: 19 kept groups not yet committed (cap 16) "
+                         "(30 pauses in the last 60 s, 50% of it paused)"]

@@ -71,6 +71,7 @@ def main(ctx: StageContext) -> int:
     flow = Flow(ctx, state, exact=post is not None,  # its clock starts with the first policy
                 channel=channel)
     paused, skipped = None, 0  # paused: monotonic time the current pause began
+    pauses = PauseLog(ctx.log, flow)
     # store writes run in order on one thread, overlapping the next shard's generation; a
     # shard is written only after its sequence number's reservation is stored
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
@@ -85,7 +86,7 @@ def main(ctx: StageContext) -> int:
                 # its lost shard
                 writes = _settled(writes)
                 if paused is None:
-                    ctx.log.info("pausing: %s", flow.why)
+                    pauses.pausing(flow.why)
                     paused = time.monotonic()
                     # the counts with the last batch, stored now that its shards are: the
                     # next reservation stores them only once the worker resumes, and a
@@ -466,6 +467,33 @@ class Flow:
         if self.exact:
             return self.round_kept >= share
         return self.round_groups * self.round_rate >= share
+
+
+class PauseLog:
+    """A worker's pause lines: the first pause, then at most one line every `every` seconds
+    with the pauses since the last line (a worker the learner sets the pace of pauses about
+    once a step: a line each would bury the rest of its log)."""
+
+    def __init__(self, log, flow: Flow, every: float = 60.0) -> None:
+        self.log, self.flow, self.every = log, flow, every
+        self.count = 0
+        """Pauses since the last line."""
+        self.at: tuple[float, float] | None = None
+        """(monotonic time, the worker's paused seconds) at the last line."""
+
+    def pausing(self, why: str) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.at is None:
+            self.log.info("pausing: %s", why)
+        elif now - self.at[0] >= self.every:
+            span = now - self.at[0]
+            self.log.info("pausing: %s (%d pauses in the last %.0f s, %.0f%% of it paused)",
+                          why, self.count, span, 100 * (self.flow.paused_s - self.at[1]) / span)
+        else:
+            return
+        self.count = 0
+        self.at = (now, self.flow.paused_s)
 
 
 class Standby:
