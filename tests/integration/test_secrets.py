@@ -158,3 +158,36 @@ def test_credentials_come_from_the_environment_only(tmp_path, monkeypatch):
     config.write_text("extends: demo\nstore: {uri: 's3://b/p', secret_key: 'x'}\n")
     with pytest.raises(ConfigError, match="store.secret_key"):
         load_config(str(config))
+
+
+def test_credentials_written_into_a_url_reach_neither_params_nor_messages(monkeypatch):
+    """A tracking URI such as https://user:token@host would have been logged as an MLflow
+    param and printed; an S3 endpoint with user:password@ is refused without echoing it."""
+    from shardrl.store import PermanentStoreError
+    from shardrl.tracking.mlflow_run import redacted
+
+    assert redacted("https://ci-bot:s3cr3t@mlflow.example:5000/x") == \
+        "https://***@mlflow.example:5000/x"
+    assert redacted("sqlite:///runs/mlflow.db") == "sqlite:///runs/mlflow.db"
+    assert redacted("s3://bucket/prefix and http://a@b/") == "s3://bucket/prefix and http://***@b/"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with pytest.raises(PermanentStoreError) as caught:
+        S3Store("bucket", endpoint="http://admin:hunter22@127.0.0.1:9")
+    assert "hunter22" not in str(caught.value) and "holds credentials" in str(caught.value)
+
+
+def test_mlflow_params_carry_no_url_credentials(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from shardrl.config import load_config
+    from shardrl.tracking.mlflow_run import find_or_create_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    config = tmp_path / "c.yaml"
+    config.write_text(f"extends: demo\ntracking: {{uri: '{uri}', "
+                      "experiment: 'https://u:tok3n@host'}\n")
+    cfg = load_config(str(config))
+    run = find_or_create_run(cfg, "redact")
+    params = MlflowClient(tracking_uri=uri).get_run(run).data.params
+    assert params and not any("tok3n" in v for v in params.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -43,6 +44,12 @@ def crash(response, answer):
 
 def abort(response, answer):
     os.abort()
+
+def big(response, answer):
+    return "x" * 300_000
+
+def huge(response, answer):
+    return "x" * 5_000_000
 
 def surroundings():
     return {"env": sorted(os.environ), "cwd": os.getcwd(), "stdin": sys.stdin.read()}
@@ -106,6 +113,36 @@ def test_credentials_do_not_reach_the_child(reward_module, monkeypatch):
     assert result.value["env"] == ["HOME", "LANG", "PATH", "TMPDIR"]
     assert "shardrl-sandbox-" in result.value["cwd"]  # its own temporary directory
     assert result.value["stdin"] == ""  # stdin is /dev/null
+
+
+def test_a_result_larger_than_the_pipe_comes_back_at_once(reward_module):
+    """The result was read only after the child's exit, so one over the pipe's 64 KiB buffer
+    blocked the child until the wall-clock limit and came back as a timeout."""
+    limits = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=20)
+    started = time.monotonic()
+    result = run_sandboxed_call(f"{reward_module}:big", ["", ""], limits)
+    assert result.error is None and result.value == "x" * 300_000
+    assert time.monotonic() - started < 10
+    # over the output bound (1 MiB by default): an error, not an unbounded read
+    result = run_sandboxed_call(f"{reward_module}:huge", ["", ""], limits)
+    assert result.error == f"crashed: result over {1 << 20} bytes"
+
+
+def test_a_sandboxed_verifier_module_is_not_imported_here(tmp_path, monkeypatch):
+    """Its module's top-level code is as untrusted as its function: it runs in the child."""
+    marker = tmp_path / "ran-in"
+    (tmp_path / "untrusted_reward.py").write_text(
+        "import os\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "def score(response, answer):\n"
+        "    return 1.0 if response == answer else 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_verifier("untrusted_reward:score", sandboxed=True, limits=LIMITS)
+    assert not marker.exists()  # not imported by the parent
+    assert run_verifier(fn, "a", "a") == (1.0, None)
+    assert str(os.getpid()) not in marker.read_text().split()  # it ran in the child only
+    with pytest.raises(Exception, match="no module named 'no_such_reward'"):
+        get_verifier("no_such_reward:score", sandboxed=True, limits=LIMITS)
 
 
 def test_python_exec_compares_stdout_and_stays_sandboxed():

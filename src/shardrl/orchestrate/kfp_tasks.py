@@ -55,14 +55,14 @@ def link_runs(monitor, view) -> str | None:
     """Tag the MLflow run with the KFP run (id and URL); return the MLflow run's URL."""
     if monitor.mlflow is None:
         return None
-    from ..tracking.mlflow_run import tracking_uri
+    from ..tracking.mlflow_run import redacted, tracking_uri
 
     url = run_url(view.cfg, view.run_id)
     monitor.client.set_tag(monitor.mlflow, RUN_ID_TAG, view.run_id)
     if url:
         monitor.client.set_tag(monitor.mlflow, RUN_URL_TAG, url)
     run = monitor.client.get_run(monitor.mlflow)
-    return mlflow_url(tracking_uri(view.cfg), run.info.experiment_id, monitor.mlflow)
+    return mlflow_url(redacted(tracking_uri(view.cfg)), run.info.experiment_id, monitor.mlflow)
 
 
 def follow(view, poll_s: float = 10.0) -> int:

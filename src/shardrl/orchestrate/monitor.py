@@ -13,7 +13,7 @@ import time
 
 from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
-from ..tracking.mlflow_run import client, find_or_create_run, log_points, tracking_uri
+from ..tracking.mlflow_run import client, find_or_create_run, log_points, redacted, tracking_uri
 from .accounting import account
 from .forward import Forwarder, metric_writers
 
@@ -121,7 +121,7 @@ class Monitor:
                   f"{', champion' if promo.get('champion') else ', challenger only'})")
             if promo.get("champion_kept"):
                 print(f"                  {promo['champion_kept']}")
-        uri = tracking_uri(lr.cfg)
+        uri = redacted(tracking_uri(lr.cfg))
         print(f"MLflow            {uri}")
         print(f"                  open the UI: .venv/bin/mlflow ui --backend-store-uri {uri}")
         print(f"logs              {lr.log_dir}")

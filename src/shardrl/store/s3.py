@@ -98,11 +98,15 @@ class S3Store(Store):
             check_bucket_name(bucket, strict=True)
         except ValueError as e:
             raise PermanentStoreError(f"invalid S3 bucket name {bucket!r}: {e}") from None
+        parts = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
+        if parts.username or parts.password:  # never echoed: it would carry the secret
+            raise PermanentStoreError(
+                "the S3 endpoint URL holds credentials (user:password@): give the host alone "
+                f"and the keys in the environment ({_ENV_HINT})")
         if not access_key or not secret_key:
             raise PermanentStoreError(
                 f"no credentials for bucket {bucket!r} at {endpoint}: set {_ENV_HINT}"
             )
-        parts = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
         if parts.scheme not in ("", "http", "https") or not parts.netloc:
             raise ValueError(f"S3 endpoint must be host[:port] or http(s)://host[:port], got {endpoint!r}")
         if parts.scheme and secure is not None and secure != (parts.scheme == "https"):

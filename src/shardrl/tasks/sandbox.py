@@ -3,27 +3,33 @@
 Each call starts `python -I` (isolated: no PYTHON* variables, no user site) in a fresh
 temporary working directory with stdin from /dev/null and a minimal environment (PATH,
 LANG, HOME and TMPDIR pointing at the working directory): credentials in the parent's
-environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) never reach it. Before any untrusted code
+environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) are not handed to it. Before any untrusted code
 runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
 (bytes written to any file, stdout included) and RLIMIT_CORE=0; the parent enforces the
 wall-clock limit and kills the child's whole process group. The result comes back as JSON
-over a private pipe. Failures never raise here: they come back as an error string,
+over a private pipe, read as it comes (at most `output_bytes`). Failures never raise here: they come back as an error string,
 "timeout", "memory" or "crashed: ...".
 
-Not isolated: network and the file system (the child runs as the same user). Code that a
-verifier executes in its own process can forge that process's result; `run_python_snippet`
-avoids this by judging only the snippet's stdout in the parent.
+Not isolated: network and the file system, and the parent itself: the child runs as the
+same user, so it can read the parent's `/proc/<pid>/environ` (credentials included), signal
+it, and start processes in a session of their own that the group kill misses. A per-call
+user or namespaces (bubblewrap, nsjail) would close this. Code that a verifier executes in
+its own process can forge that process's result; `run_python_snippet` avoids this by judging
+only the snippet's stdout in the parent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,16 +112,51 @@ def _parent_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
 
-def _read_available(fd: int) -> bytes:
-    """Everything written to the pipe so far (never blocks on a stray writer)."""
+def _read_available(fd: int, chunks: list[bytes]) -> int:
+    """Append what the pipe holds now to `chunks` (never blocks on a stray writer); the
+    number of bytes read."""
     os.set_blocking(fd, False)
-    chunks = []
+    read = 0
     try:
         while chunk := os.read(fd, 1 << 16):
             chunks.append(chunk)
+            read += len(chunk)
     except BlockingIOError:
         pass
-    return b"".join(chunks)
+    return read
+
+
+def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
+             cap: int) -> tuple[bytes, str | None]:
+    """Read the result pipe while the child runs, until it exits, the wall-clock limit or
+    `cap` bytes: a result larger than the pipe's buffer would otherwise block the child
+    until the limit. (result bytes, None or "timeout" or the too-large error)."""
+    deadline = time.monotonic() + wall_seconds
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        exited = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (before Linux 5.3): poll for the exit
+        exited = None
+    try:
+        while proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"".join(chunks), "timeout"
+            watched = [fd] if exited is None else [fd, exited]
+            ready, _, _ = select.select(watched, [], [], left if exited is not None
+                                        else min(left, 0.01))
+            if fd in ready:
+                size += _read_available(fd, chunks)
+                if size > cap:
+                    return b"", f"crashed: result over {cap} bytes"
+    finally:
+        if exited is not None:
+            os.close(exited)
+    size += _read_available(fd, chunks)
+    if size > cap:
+        return b"", f"crashed: result over {cap} bytes"
+    return b"".join(chunks), None
 
 
 def _classify(returncode: int, message: dict | None, stderr: str, snippet: bool) -> str | None:
@@ -138,7 +179,7 @@ def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
     snippet = request["mode"] == "snippet"
     request = {
         **request,
-        "cpu_seconds": max(1, round(limits.cpu_seconds)),
+        "cpu_seconds": max(1, math.ceil(limits.cpu_seconds)),  # RLIMIT_CPU counts whole seconds
         "memory_bytes": limits.memory_mb * 1024 * 1024,
         "output_bytes": limits.output_bytes,
     }
@@ -163,17 +204,12 @@ def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
                 )
             os.close(write_fd)
             write_fd = -1
-            try:
-                proc.wait(timeout=limits.wall_seconds)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            raw, stopped = _collect(proc, read_fd, limits.wall_seconds, limits.output_bytes)
             try:  # the whole group: nothing the child started outlives the call
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
-            raw = _read_available(read_fd)
         finally:
             os.close(read_fd)
             if write_fd >= 0:
@@ -181,8 +217,8 @@ def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
         stdout = (Path(work) / ".stdout").read_bytes()[: limits.output_bytes]
         stderr = (Path(work) / ".stderr").read_bytes()[-4096:].decode(errors="replace")
     text = stdout.decode(errors="replace")
-    if timed_out:
-        return SandboxResult(stdout=text, error="timeout")
+    if stopped is not None:
+        return SandboxResult(stdout=text, error=stopped)
     try:
         message = json.loads(raw) if raw else None
     except json.JSONDecodeError:

@@ -9,6 +9,7 @@ non-numeric value yields reward 0.0 and an error string, never an exception.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import numbers
 import re
@@ -217,6 +218,24 @@ def resolve_dotted(path: str) -> Verifier:
     return target
 
 
+def locate_dotted(path: str) -> str:
+    """`path` (`package.module:function`) once its module is found on the import path,
+    without running the module (its parent packages are imported to look inside them)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise VerifierError(
+            f"verifier {path!r} is neither a registered name ({', '.join(sorted(VERIFIERS))}) "
+            "nor a dotted path `package.module:function`"
+        )
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        raise VerifierError(f"cannot load verifier {path!r}: {exc}") from exc
+    if found is None:
+        raise VerifierError(f"cannot load verifier {path!r}: no module named {module_name!r}")
+    return path
+
+
 def dotted_path_of(fn: Verifier) -> str:
     """`module:qualname` of a module-level function, for running it in the sandbox."""
     return f"{fn.__module__}:{fn.__qualname__}"
@@ -232,10 +251,13 @@ def get_verifier(
     limits = limits or SandboxLimits()
     if spec in SANDBOXED_ONLY:
         return python_exec_verifier(limits)
+    if sandboxed and spec not in VERIFIERS:
+        # never imported here: its module's own code is as untrusted as its function
+        return sandboxed_verifier(locate_dotted(spec), limits)
     fn = VERIFIERS.get(spec) or resolve_dotted(spec)
     if not sandboxed:
         return fn
-    return sandboxed_verifier(spec if ":" in spec else dotted_path_of(fn), limits)
+    return sandboxed_verifier(dotted_path_of(fn), limits)
 
 
 def run_verifier(fn: Verifier, response: str, answer: str) -> tuple[float, str | None]:

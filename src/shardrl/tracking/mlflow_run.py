@@ -8,6 +8,7 @@ once, after the others stopped. Against an MLflow server any stage may write.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -15,6 +16,15 @@ from urllib.parse import urlsplit
 from ..config import RunConfig
 
 RUN_TAG = "shardrl.run_id"
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def redacted(text: str) -> str:
+    """`text` with the user and password of every URL in it replaced by `***` (a tracking
+    URI written as https://user:token@host must reach neither logs nor MLflow params)."""
+    return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
 def tracking_uri(cfg: RunConfig) -> str:
@@ -63,7 +73,8 @@ def find_or_create_run(cfg: RunConfig, run_id: str, c=None, new: bool = False) -
     if found and new:
         raise RunIdTaken(
             f"shardrl run: run id {run_id} already names MLflow run {found[0].info.run_id} in "
-            f"experiment {cfg.tracking.experiment!r} at {tracking_uri(cfg)}, from an earlier "
+            f"experiment {cfg.tracking.experiment!r} at {redacted(tracking_uri(cfg))}, from an "
+            f"earlier "
             f"run whose store no longer holds it; pick another --run-id, or delete that MLflow "
             f"run first")
     if found:
@@ -73,7 +84,7 @@ def find_or_create_run(cfg: RunConfig, run_id: str, c=None, new: bool = False) -
     params = flatten(cfg.model_dump(mode="json"))
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    items = [Param(k, redacted(str(v))[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):
         c.log_batch(run.info.run_id, params=items[i: i + 100])
     return run.info.run_id
