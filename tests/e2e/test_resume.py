@@ -47,11 +47,15 @@ def test_resume_after_the_runner_was_killed(tmp_path):
     wait_for(lambda: not any(stage_pids(name, run_id) for name in LOOPING), 15,
              "the stages of the killed runner to exit")
     assert not store.exists(RunKeys(run_id).done())
+    # what a write killed mid-way leaves: never listed, so only the runner's sweep removes it
+    torn = tmp_path / "store" / "runs" / run_id / "policy" / ".model.safetensors.0f0f.tmp"
+    torn.write_bytes(b"\0" * 4096)
 
     proc, out = start_runner(tmp_path, ["run", "--resume", run_id, "--store", store_path,
                                         "--no-progress", "--no-report"], "second")
     text = finish(proc, out)
     assert proc.returncode == 0, text[-4000:]
+    assert not torn.exists() and "removed 1 temporary file(s)" in text
     assert "snapshot" not in text  # the snapshot is not built again
     log = (tmp_path / "store" / "runs" / run_id / "logs" / "learn.log").read_text()
     resumed = [int(v) for v in re.findall(r"resumed at version (\d+)", log)]
@@ -160,19 +164,19 @@ def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny
     assert "start it again with `shardrl run CONFIG --run-id again --store " in res.stderr
 
 
-def test_a_started_run_marks_the_store_before_any_stage(tmp_path, tiny_config):
-    """The mark is written once the MLflow run exists, before the snapshot: stopped during
-    the snapshot, the run is the runner's own when started again."""
+def test_a_run_stopped_before_its_snapshot_starts_again_under_its_id(tmp_path, tiny_config):
+    """The runner marks the store once the MLflow run exists, before any stage: a run that
+    stopped before its snapshot wrote anything (here its task file was missing) is the
+    runner's own when started again with that id, not an earlier run's."""
     store = LocalStore(tmp_path / "store")
     keys = RunKeys("marked")
-    proc, out = start_runner(tmp_path, run_args(tiny_config, str(tmp_path / "store"), "marked"),
-                             "marked")
-    try:
-        wait_for(lambda: store.exists(started_key(keys)), 120, "the runner's mark")
-        assert not store.exists(keys.run_json())  # before the snapshot finished
-    finally:
-        proc.send_signal(signal.SIGINT)
-        finish(proc, out, timeout=120)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"extends: {tiny_config}\ntask:\n  source: {{kind: dataset, "
+                      f"train_path: {tmp_path}/none.jsonl, eval_path: {tmp_path}/none.jsonl}}\n")
+    res = run_cli(run_args(broken, str(tmp_path / "store"), "marked"), tmp_path, timeout=180)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "none.jsonl: no such file" in res.stderr and "Traceback" not in res.stderr
+    assert store.exists(started_key(keys)) and not store.exists(keys.run_json())
     proc, out = start_runner(tmp_path, run_args(tiny_config, str(tmp_path / "store"), "marked"),
                              "marked-again")
     text = finish(proc, out, timeout=600)

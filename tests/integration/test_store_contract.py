@@ -431,3 +431,20 @@ def test_a_forked_child_writes_through_its_reopened_store(store):
     store.put_bytes("fork/after", b"parent again")
     assert store.list("fork/") == ["fork/after", "fork/before", "fork/child"]
     assert (store.reopened() is store) == isinstance(store, LocalStore)
+
+
+def test_the_folder_store_sweeps_what_killed_writers_left(tmp_path):
+    """A writer killed mid-write leaves its temp file (never listed); the sweep removes
+    those under a prefix and nothing else."""
+    store = LocalStore(tmp_path)
+    store.put_bytes("runs/r/policy/v000001/model.safetensors", b"weights")
+    store.put_bytes("runs/other/a.json", b"{}")
+    torn = [tmp_path / "runs/r/policy/v000001/.model.safetensors.ab12.tmp",
+            tmp_path / "runs/r/.progress.json.cd34.tmp"]
+    elsewhere = tmp_path / "runs/other/.a.json.ef56.tmp"
+    for path in (*torn, elsewhere):
+        path.write_bytes(b"x" * 100)
+    assert store.sweep_temp("runs/r/") == (2, 200)
+    assert not any(p.exists() for p in torn) and elsewhere.exists()
+    assert store.list("runs/r/") == ["runs/r/policy/v000001/model.safetensors"]
+    assert store.sweep_temp("runs/r/") == (0, 0)

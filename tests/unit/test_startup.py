@@ -153,7 +153,8 @@ def test_the_runner_starts_the_looping_stages_before_the_snapshot(tmp_path, monk
     monkeypatch.setattr(local.LocalRun, "start", start)
     monkeypatch.setattr(local.LocalRun, "stop_all", lambda self: stopped.append(True))
     monkeypatch.setattr(local, "one_shot", one_shot)
-    args = argparse.Namespace(resume=None, config="demo", overrides=["pipeline.local.fork=false"],
+    args = argparse.Namespace(resume=None, config="demo",
+                              overrides=["pipeline.local.fork=false", "tracking.enabled=false"],
                               store=str(tmp_path), run_id="r1", no_progress=True,
                               no_report=True, create_bucket=False)
     assert local.run(args) == 1

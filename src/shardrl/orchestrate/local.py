@@ -22,7 +22,7 @@ from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages import channel as weights_channel
 from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
-from ..store import PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
+from ..store import LocalStore, PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
 from ..store.records import Aborted
 from ..tracking.mlflow_run import RunIdTaken
 from .fork import Forked, fork_stage
@@ -303,9 +303,14 @@ def run(args) -> int:
         return 1
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
     if lr.cfg.pipeline.local.fork:
+        from ..tasks.datasets import DatasetError
         from .fork import warm
 
-        warm(lr.cfg)  # the stages' imports, once: every stage is forked from here
+        try:
+            warm(lr.cfg)  # the stages' imports, once: every stage is forked from here
+        except DatasetError as exc:  # a missing or malformed task file: one line, not a trace
+            print(f"shardrl run: {exc}", file=sys.stderr)
+            return 1
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -317,6 +322,11 @@ def run(args) -> int:
     if lr.cfg.pipeline.local.weights_channel:
         lr.channel, channel_lock = open_channel()
     try:
+        if isinstance(lr.store, LocalStore):  # before any stage of the run writes
+            count, size = lr.store.sweep_temp(lr.keys.root)
+            if count:
+                print(f"removed {count} temporary file(s), {size / 2**20:.1f} MiB, left by "
+                      f"writes that were killed mid-write", flush=True)
         fresh = not lr.store.exists(lr.keys.run_json())  # run.json ends the stages before the loop
         # the looping stages start first and wait for run.json: their start-up (forking or
         # importing, the store, the config) overlaps the snapshot instead of following it

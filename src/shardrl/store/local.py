@@ -66,6 +66,23 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise
 
+    def sweep_temp(self, prefix: str) -> tuple[int, int]:
+        """Remove the temp files under `prefix` of writers killed mid-write (never listed, so
+        nothing else removes them; a killed checkpoint write leaves gigabytes). Only while no
+        process writes under `prefix`: the local runner calls it before it starts a run's
+        stages. (files removed, their bytes)."""
+        count = size = 0
+        folder = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
+        for path in folder.rglob(f".*{_TMP_SUFFIX}"):
+            try:
+                if path.is_file():
+                    size += path.stat().st_size
+                    path.unlink()
+                    count += 1
+            except OSError:  # removed meanwhile, or not ours to remove
+                continue
+        return count, size
+
     def watch(self, prefix: str, depth: int = 1):
         """Kernel notifications of commits (renames) under the folder `prefix` names."""
         from shardrl.store.watch import folder_watch

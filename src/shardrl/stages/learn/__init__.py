@@ -42,17 +42,18 @@ tells them the run is over.
 from __future__ import annotations
 
 from ..context import StageContext
-from .loop import Learner
+from .loop import Learner, RunFinished
 
 
 def main(ctx: StageContext) -> int:
-    if ctx.store.exists(ctx.keys.done()):
+    try:
+        learner = Learner(ctx)
+    except RunFinished:
         # a learner stopped after it finished the run (converged early: before total_steps)
         # has nothing left to do, and no worker would write the shards it would wait for
         ctx.log.info("the run is done (%s): nothing to learn", ctx.keys.done())
         return 0
-    learner = Learner(ctx)
     return learner.run() if learner.leader else learner.follow()
 
 
-__all__ = ["Learner", "main"]
+__all__ = ["Learner", "RunFinished", "main"]

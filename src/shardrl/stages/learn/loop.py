@@ -33,6 +33,10 @@ from .offload import Check, CommitProcess, Writes, commit_writes, settle
 from .profile import Profile
 
 
+class RunFinished(Exception):
+    """The run's DONE.json exists already: a learner starting now has nothing to do."""
+
+
 class Learner:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
@@ -53,6 +57,8 @@ class Learner:
         ctx, cfg, store, keys = self.ctx, self.cfg, self.ctx.store, self.ctx.keys
         base = ctx.preload_policy()  # while the snapshot evaluates v0, if it still runs
         ctx.wait_for_run()
+        if store.exists(keys.done()):
+            raise RunFinished
         ctx.wait_for_policy(cfg.learner.poll_interval_s)
         self.model, tok = base.take()
         if (lora := cfg.learner.lora) is not None:  # adapters on the frozen v0 weights
