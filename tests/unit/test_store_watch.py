@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import threading
 import time
 
@@ -83,3 +86,50 @@ def test_changed_reports_a_commit_once_without_waiting(tmp_path):
     watch.close()
     # polling cannot tell: always look
     assert PollWatch().changed() is True
+
+
+class OutOfWatches:
+    """libc whose `inotify_add_watch` fails as when the user's inotify watches are used up."""
+
+    def __init__(self, libc) -> None:
+        self.libc = libc
+
+    def __getattr__(self, name):
+        return getattr(self.libc, name)
+
+    def inotify_add_watch(self, fd, path, mask):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+
+def test_a_watch_out_of_inotify_watches_polls_instead_of_failing(tmp_path, capsys):
+    """Watching a new version folder used to raise out of `wait` and end the stage."""
+    store = LocalStore(tmp_path)
+    watch = store.watch("runs/r/ready/", depth=1)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    watch.libc = OutOfWatches(watch.libc)
+    store.put_bytes("runs/r/ready/v000001/w00-000000.parquet", b"x")  # a new folder
+    assert watch.wait(1.0) is True
+    assert watch.polling is not None and "polling" in capsys.readouterr().err
+    # unwatched, that folder's next shard is still found: every wait now returns to look
+    assert watch.changed() is True
+    started = time.monotonic()
+    assert watch.wait(5.0) is True and time.monotonic() - started < 1.0
+    watch.close()
+
+
+def test_folders_made_while_events_were_lost_are_watched_again(tmp_path):
+    store = LocalStore(tmp_path)
+    watch = store.watch("runs/r/ready/", depth=1)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    (tmp_path / "runs/r/ready/v000002").mkdir()
+    time.sleep(0.05)
+    os.read(watch.fd, 1 << 16)  # its event lost, as in a queue overflow
+    watch._rescan()  # what an overflow event makes the watch do
+    t = _later(0.05, lambda: store.put_bytes("runs/r/ready/v000002/w00-000000.parquet", b"x"))
+    started = time.monotonic()
+    assert watch.wait(5.0) is True and time.monotonic() - started < 1.0
+    t.join()
+    watch.close()

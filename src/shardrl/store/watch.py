@@ -12,7 +12,9 @@ timeout, never correctness: callers always re-check the store itself.
   busy ones look every few milliseconds.
 - `InotifyWatch` (the folder store on Linux): the kernel reports each rename that commits an
   object (`IN_MOVED_TO`) and each new folder (a new version), which is watched in turn up
-  to `depth` levels below the prefix. A commit wakes the waiter within a millisecond.
+  to `depth` levels below the prefix. A commit wakes the waiter within a millisecond. After
+  the kernel's event queue overflowed it watches the folders created meanwhile; out of inotify
+  watches for a new folder, it polls from then on rather than fail.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ class InotifyWatch:
         """watch descriptor -> (folder, its depth below the prefix)"""
         folder.mkdir(parents=True, exist_ok=True)
         self._add(folder, 0)
-        self._pending = False
+        self.polling: PollWatch | None = None
+        """Set once a new folder could not be watched (the user is out of inotify watches):
+        from then on this watch polls, as on a store without notifications."""
 
     def _add(self, folder: Path, level: int) -> None:
         wd = self.libc.inotify_add_watch(self.fd, os.fsencode(folder), _MASK)
@@ -128,9 +132,10 @@ class InotifyWatch:
 
         True when something was committed (or may have been: a new folder, an overflow).
         """
-        if self._pending or self._drain():
-            self._pending = False
+        if self._drain():
             return True
+        if self.polling is not None:
+            return self.polling.wait(timeout)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.fd], [], [], left)
@@ -141,10 +146,33 @@ class InotifyWatch:
     def changed(self) -> bool:
         """Whether an object was committed since the last `wait` or `changed`, without
         waiting (what a commit reported is taken, as by `wait`)."""
-        if self._pending or self._drain():
-            self._pending = False
-            return True
-        return False
+        return self._drain() or self.polling is not None
+
+    def _follow(self, folder: Path, level: int) -> None:
+        """Watch a new folder; out of watches, poll from now on instead of failing."""
+        try:
+            self._add(folder, level)
+        except OSError as exc:
+            if self.polling is None:
+                print(f"store watch: {exc}; polling {self.folder} instead", file=sys.stderr,
+                      flush=True)
+                self.polling = PollWatch()
+
+    def _rescan(self) -> None:
+        """After the kernel's event queue overflowed: watch the folders created meanwhile."""
+        watched = {path for path, _ in self.paths.values()}
+        for folder, level in list(self.paths.values()):
+            if level >= self.depth:
+                continue
+            try:
+                with os.scandir(folder) as it:
+                    subs = [folder / e.name for e in it if e.is_dir(follow_symlinks=False)
+                            and not e.name.startswith(".")]
+            except OSError:  # removed meanwhile
+                continue
+            for sub in sorted(subs)[-MAX_WATCHED_FOLDERS:]:
+                if sub not in watched:
+                    self._follow(sub, level + 1)
 
     def _drain(self) -> bool:
         try:
@@ -157,7 +185,8 @@ class InotifyWatch:
             raw = data[offset + _EVENT.size: offset + _EVENT.size + size]
             offset += _EVENT.size + size
             name = raw.split(b"\0", 1)[0].decode(errors="replace")
-            if mask & _IN_Q_OVERFLOW:
+            if mask & _IN_Q_OVERFLOW:  # events were lost, new folders' among them
+                self._rescan()
                 woke = True
                 continue
             if mask & _IN_IGNORED:
@@ -168,14 +197,15 @@ class InotifyWatch:
             folder, level = self.paths[wd]
             if mask & _IN_ISDIR:
                 if level < self.depth:
-                    self._add(folder / name, level + 1)
+                    self._follow(folder / name, level + 1)
                     woke = True  # objects may have landed before the watch did
             elif mask & (_IN_MOVED_TO | _IN_CLOSE_WRITE):
                 woke = True
         return woke
 
     def reset(self) -> None:
-        pass
+        if self.polling is not None:
+            self.polling.reset()
 
     def close(self) -> None:
         if self.fd >= 0:
