@@ -181,3 +181,18 @@ def test_failing_samples_cost_only_themselves_and_are_counted():
         None, "python_exec: timeout", "python_exec: memory",
         "python_exec: crashed: ValueError: boom", None]
     assert error_count(rows) == 3
+
+
+def test_open_files_are_limited_and_configurable():
+    limits = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=4, open_files=32)
+    result = run_python_snippet(
+        "import os\nfds = [os.open(os.devnull, os.O_RDONLY) for _ in range(64)]\nprint('all')",
+        limits)
+    assert result.error.startswith("crashed: OSError") and "Too many open files" in result.error
+    assert run_python_snippet("print('ok')", limits).stdout == "ok\n"
+    from shardrl.config import load_config
+    from shardrl.tasks.rewards import spec_from_config
+
+    cfg = load_config("demo", ["reward.sandbox.open_files=64", "reward.sandbox.output_bytes=4096"])
+    spec = spec_from_config(cfg)
+    assert (spec.sandbox.open_files, spec.sandbox.output_bytes) == (64, 4096)

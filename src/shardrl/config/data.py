@@ -97,6 +97,11 @@ class SandboxLimits(Section):
     """Address-space limit per call."""
     wall_seconds: float = Field(5.0, gt=0.0, le=3600.0)
     """Wall-clock limit per call."""
+    output_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Bytes a call may write to any file (its stdout included), and the most its result
+    may take."""
+    open_files: int = Field(256, ge=16, le=65536)
+    """Files a call may hold open at once."""
 
 
 class TaskConfig(Section):

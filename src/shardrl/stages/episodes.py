@@ -182,7 +182,8 @@ def episode_runner(ctx, engine) -> EpisodeRunner | None:
 
     limits = cfg.reward.sandbox  # untrusted tool code runs under the verifiers' limits
     sandbox = SandboxLimits(cpu_seconds=limits.cpu_seconds, memory_mb=limits.memory_mb,
-                            wall_seconds=limits.wall_seconds)
+                            wall_seconds=limits.wall_seconds, output_bytes=limits.output_bytes,
+                            open_files=limits.open_files)
     return EpisodeRunner(engine, cfg.task.environment, cfg.rollout.max_turns,
                          {"sandbox": sandbox})
 

@@ -202,6 +202,8 @@ def spec_from_config(cfg: RunConfig) -> RewardSpec:
             cpu_seconds=reward.sandbox.cpu_seconds,
             memory_mb=reward.sandbox.memory_mb,
             wall_seconds=reward.sandbox.wall_seconds,
+            output_bytes=reward.sandbox.output_bytes,
+            open_files=reward.sandbox.open_files,
         ),
     )
 

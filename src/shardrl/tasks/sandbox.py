@@ -5,10 +5,11 @@ temporary working directory with stdin from /dev/null and a minimal environment 
 LANG, HOME and TMPDIR pointing at the working directory): credentials in the parent's
 environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) are not handed to it. Before any untrusted code
 runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
-(bytes written to any file, stdout included) and RLIMIT_CORE=0; the parent enforces the
-wall-clock limit and kills the child's whole process group. The result comes back as JSON
-over a private pipe, read as it comes (at most `output_bytes`). Failures never raise here: they come back as an error string,
-"timeout", "memory" or "crashed: ...".
+(bytes written to any file, stdout included), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
+the parent enforces the wall-clock limit and kills the child's whole process group. The
+result comes back as JSON over a private pipe, read as it comes (at most `output_bytes`).
+Failures never raise here: they come back as an error string, "timeout", "memory" or
+"crashed: ...".
 
 Not isolated: network and the file system, and the parent itself: the child runs as the
 same user, so it can read the parent's `/proc/<pid>/environ` (credentials included), signal
@@ -50,6 +51,7 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (req["memory_bytes"], req["memory_bytes"]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_NOFILE, (req["open_files"], req["open_files"]))
 sys.path[:0] = req["sys_path"]
 try:
     if req["mode"] == "snippet":
@@ -83,6 +85,7 @@ class SandboxLimits:
     memory_mb: int = 512
     wall_seconds: float = 5.0
     output_bytes: int = 1 << 20
+    open_files: int = 256
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
         "cpu_seconds": max(1, math.ceil(limits.cpu_seconds)),  # RLIMIT_CPU counts whole seconds
         "memory_bytes": limits.memory_mb * 1024 * 1024,
         "output_bytes": limits.output_bytes,
+        "open_files": limits.open_files,
     }
     with tempfile.TemporaryDirectory(prefix="shardrl-sandbox-", ignore_cleanup_errors=True) as work:
         req_path = Path(work) / "request.json"
