@@ -109,6 +109,13 @@ def test_bytes_and_json_round_trip(store):
         store.get_json("a/bin")
 
 
+def test_put_if_absent_writes_only_the_first(store):
+    assert store.put_if_absent("marks/ABORTED.json", b"first") is True
+    assert store.put_if_absent("marks/ABORTED.json", b"second") is False
+    assert store.get_bytes("marks/ABORTED.json") == b"first"
+    assert store.list("marks/") == ["marks/ABORTED.json"]
+
+
 def test_missing_keys_exists_and_delete(store):
     with pytest.raises(NotFound):
         store.get_bytes("nope/missing")

@@ -1,6 +1,8 @@
 """The abort marker: its key, first failure kept, and how a stage's context sees it."""
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from shardrl.config import load_config
 from shardrl.stages.context import ABORT_CHECK_S, StageContext
@@ -18,6 +20,25 @@ def test_the_first_failure_is_kept(tmp_path):
     assert Aborted.read(store, keys.aborted()) == first
     assert first.describe() == "rollout worker 1 failed for good (exit 137 after 3 restart(s)): oom"
     assert later.describe() == "learn failed for good (exit 1 after 3 restart(s))"
+
+
+def test_of_failures_recorded_at_once_one_wins_and_all_report_it(tmp_path):
+    """The marker was looked for, then written: two failures at once both wrote, the later
+    won, and each caller reported its own as the run's cause."""
+    store, keys = LocalStore(tmp_path), RunKeys("r1")
+    markers = [Aborted(stage="rollout", worker=w, exit_code=1, time=float(w)) for w in range(8)]
+    start = threading.Barrier(len(markers))
+
+    def record(marker: Aborted) -> Aborted:
+        start.wait()
+        return marker.write_first(store, keys.aborted())
+
+    with ThreadPoolExecutor(len(markers)) as pool:
+        in_force = list(pool.map(record, markers))
+    stored = Aborted.read(store, keys.aborted())
+    assert all(m == stored for m in in_force)
+    assert stored in markers
+    assert not [p for p in (tmp_path / "runs" / "r1").iterdir() if p.name.startswith(".")]
 
 
 def test_a_stage_sees_the_marker_within_the_check_interval(tmp_path, monkeypatch):

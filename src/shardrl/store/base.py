@@ -163,6 +163,15 @@ class Store(ABC):
         check_prefix(prefix)
         return PollWatch()
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `data` at `key` unless an object is there; whether it was written. This
+        default looks, then writes: two writers at once may both write (the later wins).
+        Stores that can create an object only if it is absent override it."""
+        if self.exists(key):
+            return False
+        self.put_bytes(key, data)
+        return True
+
     def put_json(self, key: str, obj: Any) -> None:
         """Write `obj` as strict JSON (NaN and infinities are rejected with ValueError)."""
         self.put_bytes(key, json.dumps(obj, indent=2, allow_nan=False).encode("utf-8"))

@@ -66,6 +66,27 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Atomic: the complete temp file is hard-linked to the key's name, which fails when
+        the name exists, so of two writers at once exactly one writes."""
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            return True
+        except OSError as e:
+            raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def sweep_temp(self, prefix: str) -> tuple[int, int]:
         """Remove the temp files under `prefix` of writers killed mid-write (never listed, so
         nothing else removes them; a killed checkpoint write leaves gigabytes). Only while no

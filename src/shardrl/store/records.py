@@ -29,6 +29,7 @@ errors both ways, so a misspelt field fails where it is written, not where it is
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict
@@ -273,12 +274,13 @@ class Aborted(Record):
     time: float = 0.0
 
     def write_first(self, store: Store, key: str) -> Aborted:
-        """Write this record unless a stage's failure is recorded already; the one in force."""
-        existing = Aborted.read(store, key, optional=True)
-        if existing is not None:
-            return existing
-        self.write(store, key)
-        return self
+        """Write this record unless a stage's failure is recorded already; the one in force
+        (of two at once, one only on a store that creates objects atomically: the folder
+        store; see `Store.put_if_absent`)."""
+        data = json.dumps(self.model_dump(mode="json"), indent=2, allow_nan=False).encode()
+        if store.put_if_absent(key, data):
+            return self
+        return Aborted.read(store, key, optional=True) or self
 
     def describe(self) -> str:
         who = self.stage if self.worker == 0 else f"{self.stage} worker {self.worker}"
