@@ -55,7 +55,8 @@ def test_resume_after_the_runner_was_killed(tmp_path):
                                         "--no-progress", "--no-report"], "second")
     text = finish(proc, out)
     assert proc.returncode == 0, text[-4000:]
-    assert not torn.exists() and "removed 1 temporary file(s)" in text
+    # (the killed stages may have left temp files of their own, writes cut off mid-way)
+    assert not torn.exists() and re.search(r"removed \d+ temporary file\(s\)", text)
     assert "snapshot" not in text  # the snapshot is not built again
     log = (tmp_path / "store" / "runs" / run_id / "logs" / "learn.log").read_text()
     resumed = [int(v) for v in re.findall(r"resumed at version (\d+)", log)]
