@@ -191,3 +191,16 @@ def test_mlflow_params_carry_no_url_credentials(tmp_path, monkeypatch):
     run = find_or_create_run(cfg, "redact")
     params = MlflowClient(tracking_uri=uri).get_run(run).data.params
     assert params and not any("tok3n" in v for v in params.values())
+
+
+def test_temporary_credentials_take_their_session_token(monkeypatch):
+    from shardrl.store import open_store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ASIAEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "token-from-sts")
+    store = open_store("s3://bucket/prefix")
+    credentials = store._client._provider.retrieve()
+    assert (credentials.access_key, credentials.session_token) == ("ASIAEXAMPLE", "token-from-sts")
+    assert "token-from-sts" not in repr(store)
+    assert store.reopened()._client._provider.retrieve().session_token == "token-from-sts"

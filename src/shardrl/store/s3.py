@@ -84,12 +84,14 @@ class S3Store(Store):
         endpoint: str = "https://s3.amazonaws.com",
         access_key: str | None = None,
         secret_key: str | None = None,
+        session_token: str | None = None,
         secure: bool | None = None,
         region: str = "us-east-1",
         retry: RetryPolicy | None = None,
     ) -> None:
         self._settings = dict(bucket=bucket, prefix=prefix, endpoint=endpoint,
-                              access_key=access_key, secret_key=secret_key, secure=secure,
+                              access_key=access_key, secret_key=secret_key,
+                              session_token=session_token, secure=secure,
                               region=region, retry=retry)
         """What `reopened` builds a new client from (its credentials are the client's too)."""
         if not bucket:
@@ -125,6 +127,7 @@ class S3Store(Store):
         )
         self._client = Minio(
             parts.netloc, access_key=access_key, secret_key=secret_key,
+            session_token=session_token,
             secure=secure, region=region, http_client=http,
         )
         self._retrier = Retrier(self.retry, f"{self.endpoint} bucket {bucket!r}", is_transient)
@@ -135,7 +138,8 @@ class S3Store(Store):
     def from_uri(cls, uri: str, retry: RetryPolicy | None = None) -> S3Store:
         """Open `s3://bucket/prefix`; endpoint, region and credentials come from the environment.
 
-        Reads `S3_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+        Reads `S3_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+        `AWS_SESSION_TOKEN` (temporary credentials; not renewed when they expire) and
         `AWS_REGION`/`AWS_DEFAULT_REGION`; a `SHARDRL_`-prefixed variable wins over the plain one.
         """
         parts = urlsplit(uri)
@@ -147,6 +151,7 @@ class S3Store(Store):
             endpoint=_env("S3_ENDPOINT_URL") or "https://s3.amazonaws.com",
             access_key=_env("AWS_ACCESS_KEY_ID"),
             secret_key=_env("AWS_SECRET_ACCESS_KEY"),
+            session_token=_env("AWS_SESSION_TOKEN"),
             region=_env("AWS_REGION") or _env("AWS_DEFAULT_REGION") or "us-east-1",
             retry=retry,
         )
