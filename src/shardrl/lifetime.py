@@ -13,6 +13,14 @@ from collections.abc import Callable
 _PR_SET_PDEATHSIG = 1
 
 
+def _tied_to(parent: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies; whether the parent is
+    still `parent` after that (it may have died before the call)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A function for a new child to call first (a `preexec_fn`, or right after `fork`) that
     has the kernel SIGKILL it when the calling process dies; None elsewhere than Linux.
@@ -22,12 +30,10 @@ def die_with_parent() -> Callable[[], None] | None:
     of `--resume`, and a crashed learner no commit writer to race its restart."""
     if not sys.platform.startswith("linux"):
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     parent = os.getpid()
 
     def hook() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call above
+        if not _tied_to(parent):  # the parent died before the call
             os._exit(1)
 
     return hook
@@ -43,10 +49,8 @@ def die_with_launcher() -> None:
     learner. A rank whose launcher died before this call (its parent is then init) exits."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     parent = os.getppid()
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent == 1 or os.getppid() != parent:
+    if not _tied_to(parent) or parent == 1:
         print("this rank's launcher (torchrun) has exited: stopping", file=sys.stderr, flush=True)
         os._exit(1)
 

@@ -174,7 +174,7 @@ class Store(ABC):
 
     def put_json(self, key: str, obj: Any) -> None:
         """Write `obj` as strict JSON (NaN and infinities are rejected with ValueError)."""
-        self.put_bytes(key, json.dumps(obj, indent=2, allow_nan=False).encode("utf-8"))
+        self.put_bytes(key, json_bytes(obj))
 
     def get_json(self, key: str) -> Any:
         """Read a JSON object written by `put_json`."""
@@ -186,6 +186,11 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as the strict JSON `Store.put_json` writes."""
+    return json.dumps(obj, indent=2, allow_nan=False).encode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -25,6 +25,15 @@ from shardrl.store.base import (
 )
 
 _TMP_SUFFIX = ".tmp"
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """Give the complete temp file the key's name only if no object has it (FileExistsError
+    otherwise), then drop the temp name."""
+    try:
+        os.link(tmp, path)
+    finally:
+        tmp.unlink()
 
 
 class LocalStore(Store):
@@ -45,10 +54,11 @@ class LocalStore(Store):
             f.write(data)
 
     @contextmanager
-    def writer(self, key: str) -> Iterator[IO[bytes]]:
-        """A temp file beside the key's file, fsynced and renamed over it when the block ends
-        without an error, removed when it raises (an `OSError`, from a write in the block
-        too, as a `StoreError`)."""
+    def writer(self, key: str, commit: Callable[[Path, Path], None] = os.replace,
+               ) -> Iterator[IO[bytes]]:
+        """A temp file beside the key's file, fsynced and renamed over it (`commit`) when the
+        block ends without an error, removed when it raises (an `OSError`, from a write in
+        the block too, as a `StoreError`; `commit`'s FileExistsError as it is)."""
         path = self._path(key)
         # Temp names start with '.', which no key segment may, so list() never shows them.
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
@@ -58,9 +68,11 @@ class LocalStore(Store):
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            commit(tmp, path)
         except OSError as e:  # a write in the block too: the disk is full, say
             tmp.unlink(missing_ok=True)
+            if isinstance(e, FileExistsError):  # `commit` found the key taken
+                raise
             raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -69,23 +81,12 @@ class LocalStore(Store):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Atomic: the complete temp file is hard-linked to the key's name, which fails when
         the name exists, so of two writers at once exactly one writes."""
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            with self.writer(key, commit=_link_new) as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            return True
-        except OSError as e:
-            raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
-        finally:
-            tmp.unlink(missing_ok=True)
+        except FileExistsError:
+            return False
+        return True
 
     def sweep_temp(self, prefix: str) -> tuple[int, int]:
         """Remove the temp files under `prefix` of writers killed mid-write (never listed, so

@@ -29,12 +29,11 @@ errors both ways, so a misspelt field fails where it is written, not where it is
 
 from __future__ import annotations
 
-import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from .base import NotFound, Store
+from .base import NotFound, Store, json_bytes
 
 
 class Record(BaseModel):
@@ -277,8 +276,7 @@ class Aborted(Record):
         """Write this record unless a stage's failure is recorded already; the one in force
         (of two at once, one only on a store that creates objects atomically: the folder
         store; see `Store.put_if_absent`)."""
-        data = json.dumps(self.model_dump(mode="json"), indent=2, allow_nan=False).encode()
-        if store.put_if_absent(key, data):
+        if store.put_if_absent(key, json_bytes(self.model_dump(mode="json"))):
             return self
         return Aborted.read(store, key, optional=True) or self
 

@@ -199,14 +199,20 @@ def _states_answer(response: str) -> bool:
 VERIFIERS["python_exec"] = python_exec_verifier(SandboxLimits())
 
 
-def resolve_dotted(path: str) -> Verifier:
-    """Import `package.module:function` (the function may be `Class.attr`)."""
+def _split_dotted(path: str) -> tuple[str, str]:
+    """(module, attribute) of `package.module:function`; VerifierError for anything else."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise VerifierError(
             f"verifier {path!r} is neither a registered name ({', '.join(sorted(VERIFIERS))}) "
             "nor a dotted path `package.module:function`"
         )
+    return module_name, attr
+
+
+def resolve_dotted(path: str) -> Verifier:
+    """Import `package.module:function` (the function may be `Class.attr`)."""
+    module_name, attr = _split_dotted(path)
     try:
         target = importlib.import_module(module_name)
         for part in attr.split("."):
@@ -221,12 +227,7 @@ def resolve_dotted(path: str) -> Verifier:
 def locate_dotted(path: str) -> str:
     """`path` (`package.module:function`) once its module is found on the import path,
     without running the module (its parent packages are imported to look inside them)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise VerifierError(
-            f"verifier {path!r} is neither a registered name ({', '.join(sorted(VERIFIERS))}) "
-            "nor a dotted path `package.module:function`"
-        )
+    module_name, _ = _split_dotted(path)
     try:
         found = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
