@@ -116,6 +116,24 @@ def test_put_if_absent_writes_only_the_first(store):
     assert store.list("marks/") == ["marks/ABORTED.json"]
 
 
+def test_put_if_absent_lets_one_of_racing_writers_win(spec):
+    """Eight writers at once, each with its own client, five keys in turn: exactly one creates
+    each key, and the object holds what the winner wrote."""
+    writers = 8
+    stores = [_open(spec) for _ in range(writers)]
+    def write(i: int, key: str, start: threading.Barrier) -> bool:
+        start.wait()
+        return stores[i].put_if_absent(key, f"writer {i}".encode())
+
+    for round_ in range(5):
+        key = f"marks/race-{round_}.json"
+        start = threading.Barrier(writers)
+        with ThreadPoolExecutor(writers) as pool:
+            won = list(pool.map(write, range(writers), [key] * writers, [start] * writers))
+        assert won.count(True) == 1, won
+        assert stores[0].get_bytes(key) == f"writer {won.index(True)}".encode()
+
+
 def test_missing_keys_exists_and_delete(store):
     with pytest.raises(NotFound):
         store.get_bytes("nope/missing")
@@ -293,6 +311,28 @@ def _s3(server, bucket: str, **overrides) -> Store:
     kwargs = {"bucket": bucket, "prefix": "creds", "endpoint": server.endpoint,
               "access_key": server.access_key, "secret_key": server.secret_key} | overrides
     return _open(("s3", kwargs))
+
+
+def test_put_if_absent_falls_back_to_a_plain_put_where_conditions_are_not_implemented(
+        seaweed, bucket, monkeypatch):
+    """A server that answers NotImplemented to `If-None-Match` still gets the object."""
+    import urllib3
+    from minio.error import S3Error
+
+    store = _s3(seaweed, bucket, prefix=f"t-{uuid.uuid4().hex[:12]}")
+
+    put = store._client._put_object
+
+    def refuse(bucket_name, object_name, data, headers=None, query_params=None):
+        if headers and "If-None-Match" in headers:
+            raise S3Error(urllib3.HTTPResponse(status=501), "NotImplemented", "no conditions",
+                          "/k", None, None)
+        return put(bucket_name, object_name, data, headers, query_params)
+
+    monkeypatch.setattr(store._client, "_put_object", refuse)
+    assert store.put_if_absent("marks/ABORTED.json", b"first") is True
+    assert store.put_if_absent("marks/ABORTED.json", b"second") is False
+    assert store.get_bytes("marks/ABORTED.json") == b"first"
 
 
 @pytest.mark.parametrize("overrides", [

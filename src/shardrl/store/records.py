@@ -274,8 +274,8 @@ class Aborted(Record):
 
     def write_first(self, store: Store, key: str) -> Aborted:
         """Write this record unless a stage's failure is recorded already; the one in force
-        (of two at once, one only on a store that creates objects atomically: the folder
-        store; see `Store.put_if_absent`)."""
+        (of two at once, exactly one where the store creates objects atomically: the folder
+        store, and S3 servers that honour conditional writes; see `Store.put_if_absent`)."""
         if store.put_if_absent(key, json_bytes(self.model_dump(mode="json"))):
             return self
         return Aborted.read(store, key, optional=True) or self

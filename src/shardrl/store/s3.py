@@ -42,7 +42,8 @@ from shardrl.store.base import (
 T = TypeVar("T")
 
 _TRANSIENT_CODES = frozenset(
-    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted"}
+    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted",
+     "ConditionalRequestConflict"}  # the last: another conditional write to the key was under way
 )
 _CREDENTIAL_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
@@ -179,6 +180,35 @@ class S3Store(Store):
                 self.bucket, name, io.BytesIO(data), len(data), part_size=part_size
             ),
         )
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """A conditional PUT (`If-None-Match: *`): S3, MinIO and SeaweedFS refuse it (412)
+        when the object exists, so of two writers at once exactly one creates it. A server that
+        answers NotImplemented gets a plain PUT; one that ignores the header overwrites, as
+        looking then writing would (the look first leaves that to writers racing). A retry
+        after a lost response reads the first attempt's object as there already: False."""
+        if self.exists(key):
+            return False
+        name = self.prefix + check_key(key)
+        if len(data) > MAX_PART_SIZE:
+            raise StoreError(f"{key!r} is {len(data)} bytes: a single PUT takes at most 5 GiB")
+        headers = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+
+        def create() -> bool:
+            try:
+                # the SDK's PUT with headers of our own (its public put_object sends only
+                # metadata); the SDK is pinned in pyproject.toml
+                self._client._put_object(self.bucket, name, data, headers=headers)
+            except S3Error as e:
+                if e.code == "PreconditionFailed":
+                    return False
+                if e.code != "NotImplemented":
+                    raise
+                self._client.put_object(self.bucket, name, io.BytesIO(data), len(data),
+                                        part_size=max(len(data), MIN_PART_SIZE))
+            return True
+
+        return self._call("create", key, create)
 
     @contextmanager
     def writer(self, key: str) -> Iterator[IO[bytes]]:
