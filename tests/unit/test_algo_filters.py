@@ -30,13 +30,15 @@ def test_pass_rate_window_and_retirement():
     tracker.update(["a"], [False])
     assert tracker.pass_rate("a") == pytest.approx(2 / 3)
     assert tracker.retired() == set()
-    tracker.update(["a"], torch.tensor([True]))
+    assert tracker.update(["a"], torch.tensor([True])) == {"a"}
     assert tracker.pass_rate("a") == 0.75  # [T, T, F, T]
     assert tracker.retired() == {"a"}
-    tracker.update(["a", "b", "b", "b"], torch.tensor([0, 1, 1, 1]))
-    # window of 4 drops the oldest T: a -> [T, F, T, F] = 0.5; b -> [T, T, T]
+    assert tracker.update(["a", "b", "b", "b"], torch.tensor([0, 1, 1, 1])) == {"b"}
+    # window of 4 drops the oldest T: a -> [T, F, T, F] = 0.5, but a retirement is for good
+    # (samples generated before the rollout saw it retire still arrive); b -> [T, T, T]
     assert tracker.pass_rate("a") == 0.5
-    assert tracker.retired() == {"b"}
+    assert tracker.retired() == {"a", "b"}
+    assert tracker.update(["b"], [True]) == set()  # retired already
     assert tracker.pass_rate("never-seen") is None
     with pytest.raises(ValueError, match="outcomes"):
         tracker.update(["a", "b"], [True])
@@ -51,6 +53,14 @@ def test_pass_rate_state_round_trips_through_json():
     assert restored.retired() == tracker.retired() == {"p1"}  # last 3 of p1: T, F, T
     restored.update(["p1"], [False])
     assert restored.pass_rate("p1") == pytest.approx(1 / 3)  # window still 3: F, T, F
+    # the retirement outlives the history that caused it, through a save and load too
+    again = PassRateTracker(window=3, retire_at=0.6, min_samples=2)
+    again.load_state_dict(json.loads(json.dumps(restored.state_dict())))
+    assert again.retired() == {"p1"}
+    # a state saved without its retired prompts: those its histories retire
+    old = {k: v for k, v in tracker.state_dict().items() if k != "retired"}
+    again.load_state_dict(old)
+    assert again.retired() == {"p1"}
 
 
 def test_pass_rate_tracker_rejects_bad_settings():

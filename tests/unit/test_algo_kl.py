@@ -47,8 +47,18 @@ def test_k3_is_finite_and_nonnegative_for_extreme_log_ratios():
     d = torch.tensor([[-1000.0, -30.0, 0.0, 30.0, 1000.0]])
     k3 = kl_penalty(d, torch.zeros_like(d), "k3")
     assert torch.isfinite(k3).all() and (k3 >= 0).all()
-    # inside the clamp range the value is exact: d=30 -> exp(-30) - 1 + 30
+    # above the clamp the value is exact: d=30 -> exp(-30) - 1 + 30
     assert k3[0, 3].item() == pytest.approx(29.0)
+
+
+def test_k3_gradient_is_exact_inside_the_clamp_and_zero_below_it():
+    # dk3/dd = 1 - exp(-d): d=-1 -> 1 - e = -1.71828; d=0 -> 0; d=2 -> 1 - exp(-2) = 0.86466;
+    # d=30 -> 1 - exp(-30), 1 to float32; d=-21 and -25 lie below the clamp (-20): 0, where
+    # the true gradient is hugely negative (never +1, which would push the token further down)
+    d = torch.tensor([[-1.0, 0.0, 2.0, 30.0, -21.0, -25.0]], requires_grad=True)
+    kl_penalty(d, torch.zeros_like(d), "k3").sum().backward()
+    expected = torch.tensor([[1 - math.e, 0.0, 1 - math.exp(-2.0), 1.0, 0.0, 0.0]])
+    torch.testing.assert_close(d.grad, expected)
 
 
 def test_kl_stats_sum_and_mean_over_response_tokens():

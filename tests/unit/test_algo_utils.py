@@ -33,21 +33,25 @@ def test_entropy_from_logits_in_float32():
 
 
 def test_lr_schedule_values():
-    kw = {"warmup_steps": 10, "total_steps": 110}
-    assert lr_schedule(0, **kw) == 0.0
-    assert lr_schedule(5, **kw) == 0.5  # linear warmup 5 / 10
+    # 111 steps, 0 to 110: steps 0-9 warm up, steps 10-110 decay (p = (step - 10) / 100)
+    kw = {"warmup_steps": 10, "total_steps": 111}
+    assert lr_schedule(0, **kw) == 0.1  # the first step learns: 1 / 10
+    assert lr_schedule(4, **kw) == 0.5  # linear warmup 5 / 10
+    assert lr_schedule(9, **kw) == 1.0  # the warmup's last step
     assert lr_schedule(10, **kw) == 1.0
     assert lr_schedule(500, **kw) == 1.0  # constant
     cos = {**kw, "kind": "cosine", "min_ratio": 0.1}
-    assert lr_schedule(5, **cos) == 0.5
+    assert lr_schedule(4, **cos) == 0.5
     assert lr_schedule(10, **cos) == pytest.approx(1.0)
-    # halfway through the 100 decay steps: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
+    # halfway through the decay: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
     assert lr_schedule(60, **cos) == pytest.approx(0.55)
     # a quarter: 0.1 + 0.9 * (1 + cos(pi / 4)) / 2
     assert lr_schedule(35, **cos) == pytest.approx(0.1 + 0.45 * (1 + math.sqrt(0.5)))
-    assert lr_schedule(110, **cos) == pytest.approx(0.1)
+    assert lr_schedule(110, **cos) == pytest.approx(0.1)  # the run's last step
     assert lr_schedule(1000, **cos) == pytest.approx(0.1)
     assert lr_schedule(0, warmup_steps=0, total_steps=10) == 1.0
+    # no decay steps left after the warmup: the floor from then on
+    assert lr_schedule(2, warmup_steps=2, total_steps=3, kind="cosine", min_ratio=0.1) == 0.1
     with pytest.raises(ValueError, match="constant, cosine"):
         lr_schedule(0, warmup_steps=0, total_steps=10, kind="linear")
 

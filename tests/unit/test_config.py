@@ -69,6 +69,20 @@ def test_gae_requires_a_critic():
     assert "needs a critic" in err.message and "algo.critic" in err.message
 
 
+def test_value_clipping_is_refused_as_a_no_op():
+    critic = {"advantages": {"estimator": "gae"}, "critic": {"clip_range": 0.2}}
+    (err,) = _errors({"algo": critic})
+    assert "clip_range" in err.message and "one update" in err.message
+    assert validate({"algo": {**critic, "critic": {}}}).algo.critic.clip_range is None
+
+
+def test_k1_in_the_loss_is_refused_and_allowed_in_the_reward():
+    (err,) = _errors({"algo": {"kl": {"placement": "loss", "estimator": "k1"}}})
+    assert "zero expected gradient" in err.message and "k2" in err.message
+    assert validate({"algo": {"kl": {"placement": "reward", "estimator": "k1"}}}).algo.kl.estimator == "k1"
+    assert validate({"algo": {"kl": {"placement": "loss", "estimator": "k2"}}}).algo.kl.estimator == "k2"
+
+
 def test_kl_placement_requires_a_reference():
     (err,) = _errors({"model": {"reference": "none"}, "algo": {"kl": {"placement": "loss"}}})
     assert "needs a reference model" in err.message and "model.reference" in err.message

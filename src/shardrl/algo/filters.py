@@ -29,7 +29,10 @@ class PassRateTracker:
     """Per-prompt pass rate over the last `window` samples, driving No-Positive-Resampling.
 
     A prompt retires once it has at least `min_samples` recorded samples and its pass rate
-    over the last `window` of them is >= `retire_at`; later epochs skip retired prompts.
+    over the last `window` of them is >= `retire_at`; later epochs skip retired prompts. A
+    retirement is for good (ScaleRL removes solved prompts from every later epoch): samples
+    of the prompt generated before the rollout saw it retire still arrive and are recorded,
+    but failures among them do not bring it back.
     """
 
     def __init__(self, window: int, retire_at: float, min_samples: int) -> None:
@@ -47,12 +50,11 @@ class PassRateTracker:
     def _retires(self, history: deque[bool]) -> bool:
         return len(history) >= self.min_samples and sum(history) / len(history) >= self.retire_at
 
-    def update(self, prompt_ids: Iterable[str], correct: Iterable[bool] | Tensor
-               ) -> tuple[set[str], set[str]]:
+    def update(self, prompt_ids: Iterable[str], correct: Iterable[bool] | Tensor) -> set[str]:
         """Record one outcome per sample: `prompt_ids[i]` was solved iff `correct[i]`.
 
-        Returns (prompts retired by this update, prompts it brought back); only the prompts
-        it touched are looked at, so an update costs its samples, not the prompts seen."""
+        Returns the prompts this update retired; only the prompts it touched are looked at,
+        so an update costs its samples, not the prompts seen."""
         outcomes = correct.tolist() if isinstance(correct, Tensor) else list(correct)
         ids = list(prompt_ids)
         if len(ids) != len(outcomes):
@@ -62,13 +64,10 @@ class PassRateTracker:
             if history is None:
                 history = self._history[prompt_id] = deque(maxlen=self.window)
             history.append(bool(ok))
-        added, removed = set(), set()
-        for prompt_id in set(ids):
-            now = self._retires(self._history[prompt_id])
-            if now != (prompt_id in self._retired):
-                (added if now else removed).add(prompt_id)
-        self._retired = (self._retired | added) - removed
-        return added, removed
+        added = {prompt_id for prompt_id in set(ids) - self._retired
+                 if self._retires(self._history[prompt_id])}
+        self._retired |= added
+        return added
 
     def pass_rate(self, prompt_id: str) -> float | None:
         """Share of solved samples among the prompt's last `window`; None if never seen."""
@@ -78,7 +77,8 @@ class PassRateTracker:
         return sum(history) / len(history)
 
     def retired(self) -> set[str]:
-        """Prompts whose recent pass rate reached `retire_at` with at least `min_samples`."""
+        """Prompts whose recent pass rate reached `retire_at` with at least `min_samples`
+        at some update."""
         return set(self._retired)
 
     def retired_count(self) -> int:
@@ -89,12 +89,13 @@ class PassRateTracker:
         return len(self._history)
 
     def state_dict(self) -> dict[str, Any]:
-        """Settings and histories (0/1 lists, oldest first), JSON-serialisable."""
+        """Settings, histories (0/1 lists, oldest first) and retired prompts, JSON-serialisable."""
         return {
             "window": self.window,
             "retire_at": self.retire_at,
             "min_samples": self.min_samples,
             "history": {pid: [int(x) for x in h] for pid, h in self._history.items()},
+            "retired": sorted(self._retired),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -106,4 +107,6 @@ class PassRateTracker:
             str(pid): deque((bool(x) for x in h), maxlen=self.window)
             for pid, h in state["history"].items()
         }
-        self._retired = {pid for pid, h in self._history.items() if self._retires(h)}
+        # a state saved without its retired prompts: those its histories retire
+        self._retired = set(state.get("retired", ())) | {
+            pid for pid, h in self._history.items() if self._retires(h)}

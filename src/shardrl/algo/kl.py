@@ -60,9 +60,13 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 @register_kl_estimator("k3")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = exp(-d) - 1 + d, d clamped to +-LOG_RATIO_CLAMP inside the exp. Shapes (B, T)."""
-    d = logprobs - ref_logprobs
-    return torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1.0 + d
+    """k3 = exp(-d) - 1 + d. Shapes (B, T). Below d = -LOG_RATIO_CLAMP, where exp(-d) would
+    overflow, d is held at the clamp in both terms: the value stays finite and the gradient is
+    0 there (clamping inside the exp alone would leave the `+ d` term's gradient of +1, which
+    pushes a token the policy has already dropped far below the reference further down).
+    Above it exp(-d) only underflows to 0: value and gradient are exact."""
+    d = (logprobs - ref_logprobs).clamp(min=-LOG_RATIO_CLAMP)
+    return torch.exp(-d) - 1.0 + d
 
 
 class KLStats(NamedTuple):

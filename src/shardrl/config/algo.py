@@ -186,8 +186,10 @@ class CriticConfig(Section):
     """Critic learning rate."""
     vf_coef: float = Field(0.5, gt=0.0, le=100.0)
     """Weight of the value loss."""
-    clip_range: float | None = Field(0.2, gt=0.0, le=1e6)
-    """Value clipping range (None: no clipping)."""
+    clip_range: float | None = Field(None, gt=0.0, le=1e6)
+    """PPO's value clipping, which the learner does not do (set it and the config is refused):
+    it bounds how far the values move from the old ones over several updates of one batch,
+    and each batch here is trained in one update, whose values are the old ones."""
 
 
 class ISCorrection(Section):
@@ -234,6 +236,16 @@ class AlgoConfig(Section):
                 "estimator 'gae' needs a critic: set `algo.critic: {}` "
                 "or choose `algo.advantages.estimator: group`"
             )
+        if self.critic is not None and self.critic.clip_range is not None:
+            raise ValueError(
+                "`algo.critic.clip_range` would do nothing: the learner trains each batch in one "
+                "update, whose values are the old values, so the clip never binds; remove it")
+        if self.kl.placement == "loss" and self.kl.estimator == "k1":
+            raise ValueError(
+                "`algo.kl.estimator: k1` in the loss has zero expected gradient (the mean of "
+                "grad log p under the policy is 0), so it would not pull towards the reference: "
+                "use k2 (its gradient is the KL's) or k3 in the loss, or k1 with "
+                "`algo.kl.placement: reward`")
         loss = self.loss
         if isinstance(loss, CISPOLoss) and loss.min_ratio is not None:
             if loss.min_ratio >= loss.max_ratio:

@@ -137,14 +137,14 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
         critic = cfg.algo.critic is not None
         return "value loss / advantage / gradient spikes", (
             "reward distribution too peaked or with many outliers",
-            *(("value-head learning rate too large or value clipping unsuitable",
+            *(("value-head learning rate too large",
                "GAE parameters unsuitable (a large lambda raises variance)") if critic else ()),
             "grad_norm spikes alone: numerical overflow or an abnormal batch (see inf/nan logs)",
         ), (
             Remedy("clip and normalise the reward to suppress outliers first",
                    ("algo.shaping.clip", "algo.shaping.normalize")),
-            *((Remedy("lower the value-head learning rate or clip the value loss",
-                      ("algo.critic.lr", "algo.critic.clip_range")),
+            *((Remedy("lower the value-head learning rate or the value loss's weight",
+                      ("algo.critic.lr", "algo.critic.vf_coef")),
                Remedy("lower GAE lambda (e.g. 0.95 -> 0.9) or gamma to cut long-range variance",
                       ("algo.advantages.lam", "algo.advantages.gamma"))) if critic else ()),
         )

@@ -217,8 +217,8 @@ class Preparer:
         ready_key = self.ctx.keys.ready_for(key)
         self.recent = (self.recent + [shard_name(ready_key)])[-RECENT:]
         if self.tracker is not None:
-            added, removed = self.tracker.update(ready.column("prompt_id").to_pylist(),
-                                                 ready.column("correct").to_pylist())
+            added = self.tracker.update(ready.column("prompt_id").to_pylist(),
+                                        ready.column("correct").to_pylist())
             self.replay.append(ready_key)
             logged = len(self.replay) * max(1, len(ready))
             if len(self.replay) >= SNAPSHOT_MAX or (len(self.replay) >= SNAPSHOT_MIN
@@ -232,9 +232,8 @@ class Preparer:
                 writes.retired = (self.retired_changes,
                                   RetiredChange(full=True, add=sorted(self.tracker.retired())))
                 self.retired_changes += 1
-            elif added or removed:
-                writes.retired = (self.retired_changes,
-                                  RetiredChange(add=sorted(added), remove=sorted(removed)))
+            elif added:
+                writes.retired = (self.retired_changes, RetiredChange(add=sorted(added)))
                 self.retired_changes += 1
         writes.state = PrepareState(
             moments={k: float(v) for k, v in self.moments.state_dict().items()},

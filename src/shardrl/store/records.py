@@ -194,6 +194,8 @@ class PassRateSnapshot(Record):
     retire_at: float
     min_samples: int
     history: dict[str, list[int]]
+    retired: list[str] = []
+    """Prompts retired for good (a snapshot without it: those its histories retire)."""
 
 
 class RetiredChange(Record):
@@ -203,6 +205,8 @@ class RetiredChange(Record):
     full: bool = False
     add: list[str] = []
     remove: list[str] = []
+    """Prompts sampled again (retirement is for good now: an empty list, but records that
+    name some are still applied)."""
 
 
 class EvalPointer(Record):
