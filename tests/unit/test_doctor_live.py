@@ -128,6 +128,33 @@ def test_live_doctor_reports_each_symptom_once_and_survives_a_restart(tmp_path):
     assert tags["doctor.advantage"].startswith("advantage explosion at step 7")
 
 
+def test_an_unreadable_chunk_is_passed_over_and_a_failing_check_does_not_raise(
+        tmp_path, caplog, monkeypatch):
+    store, keys = LocalStore(tmp_path), RunKeys("r1")
+    write_chunk(store, keys, "rollout", "w00-1",
+                [("rollout/truncation_rate", s, 0.3) for s in range(5)])
+    write_chunk(store, keys, "learn", "w00-2", [("learn/grad_norm", 1, 2.0)])
+    (bad,) = [k for k in store.list(keys.root + "metrics/learn/") if k.endswith(".parquet")]
+    store.put_bytes(bad, store.get_bytes(bad)[:100])  # a truncated chunk
+    with caplog.at_level("WARNING", logger="shardrl.doctor"):
+        metrics = load_store_metrics(store, keys)
+    assert "rollout/truncation_rate" in metrics and "learn/grad_norm" not in metrics
+    assert "does not decode" in caplog.text and bad in caplog.text
+    doctor = LiveDoctor(RunConfig(), store, keys)
+    assert [f.code for f in doctor.check(5)] == ["truncation"]
+    # a failure inside the check (here the state write) is logged, not raised
+    write_chunk(store, keys, "prepare", "w00-3", [("prepare/advantage_abs_max", 7, 500.0)])
+
+    def refuse(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "put_json", refuse)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardrl.doctor"):
+        assert doctor.check(8) == []
+    assert "doctor check at step 8 skipped: OSError: disk full" in caplog.text
+
+
 def test_a_config_from_an_older_version_keeps_its_valid_sections():
     old = {"task": {"source": {"kind": "builtin", "name": "no-longer-a-task"}},
            "doctor": {"window": 7}, "tracking": {"enabled": False}}

@@ -87,6 +87,17 @@ def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
     assert codes(metrics(s)) == []
 
 
+def test_a_kl_blowup_into_high_entropy_garbage():
+    s = base()
+    # as above, but entropy rises 1 + 0.1 i: 2.1 at i = 11 > 1.2 x 1.5 (its mean over i < 11)
+    s["learn/kl_sum"] = 1.25 ** STEP
+    s["learn/clip_frac"] = 0.05 + 0.03 * STEP
+    s["learn/entropy"] = 1.0 + 0.1 * STEP
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "A" and f.step == 11
+    assert f.evidence[2].note == "2.1 at step 11, up from a mean of 1.5 before"
+
+
 def test_a_kl_blowup_in_on_policy_batches_needs_no_clip_fraction():
     # one update per batch: a batch of the current policy's samples has ratio 1, clip_frac 0
     s = base()
@@ -150,6 +161,28 @@ def test_d_reward_hacking(variant):
     assert f.evidence[0].metric == "score/reward_rm_mean" and len(f.evidence) == 2
     # climbing reward with nothing contradicting it is just learning
     assert codes(metrics({**base(), "score/reward_rm_mean": 0.3 + 0.03 * STEP})) == []
+
+
+def test_e_a_reward_sliding_down_without_a_sudden_step():
+    s = base()
+    # reward 0.85 for 8 steps, then down 0.1 a step to 0.05 (no step change is 5x the ones
+    # before, which are 0.1 as well): the best window is steps 0-4 (mean 0.85); steps 8-12
+    # (0.75 ... 0.35, mean 0.55) are 0.30 lower, within reward_drop 1 x the within-batch
+    # std 0.35; steps 9-13 (0.65 ... 0.25, mean 0.45) are 0.40 lower: the slide
+    s["score/reward_rm_mean"] = np.maximum(0.05, np.minimum(0.85, 0.85 - 0.1 * (STEP - 7)))
+    s["score/reward_rm_std"] = np.full(N, 0.35)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E" and [e.metric for e in f.evidence] == ["score/reward_rm_mean"]
+    assert f.evidence[0].note == "mean 0.85 over steps 0-4, 0.45 over steps 9-13"
+    # and a run that recovers afterwards is still caught where it slid
+    s["score/reward_rm_mean"] = np.where(STEP < 16, s["score/reward_rm_mean"], 0.85)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    assert codes(metrics(s)) == ["E"]
+    # a smaller slide, within one reward std: quiet
+    s["score/reward_rm_mean"] = np.maximum(0.55, s["score/reward_rm_mean"])
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    assert codes(metrics(s)) == []
 
 
 def test_e_sudden_reward_drop_and_length_shift():

@@ -248,7 +248,8 @@ class DoctorConfig(Section):
     min_steps: int = Field(10, ge=2, le=1_000_000)
     """Steps of a series needed before a trend (rising, falling, flat) is judged."""
     entropy_drop: float = Field(0.2, gt=0.0, lt=1.0)
-    """Entropy is falling when it is this fraction below its mean over the steps before."""
+    """Entropy moves sharply (KL blow-up) when it is this fraction below or above its mean over
+    the steps before."""
     reward_flat: float = Field(0.1, gt=0.0, le=100.0)
     """reward_rm is flat when its early-to-recent change is below this many reward stds."""
     reward_rise: float = Field(0.5, gt=0.0, le=100.0)

@@ -44,7 +44,17 @@ class LiveDoctor:
         self.log = logging.getLogger("shardrl.doctor")
 
     def check(self, step: int) -> list[Finding]:
-        """Diagnose the metrics written so far; `step` is the learner's current version."""
+        """Diagnose the metrics written so far; `step` is the learner's current version.
+        The doctor advises: a failure of its own (a store error, a defect) is logged and the
+        check skipped, never raised into the learner's commit it runs beside."""
+        try:
+            return self._check(step)
+        except Exception as e:  # noqa: BLE001 - advisory: nothing here may stop training
+            self.log.warning("doctor check at step %d skipped: %s: %s", step,
+                             type(e).__name__, e)
+            return []
+
+    def _check(self, step: int) -> list[Finding]:
         self.reader.poll()
         new = [f for f in diagnose(self.reader.metrics(), self.cfg)
                if f.code not in self.reported]

@@ -6,8 +6,8 @@ once the series has `max(min_steps, 2w)` finite points, and counts only beyond `
 standard errors of that difference (small batches make noisy series). Rules other than the
 collapse rule look at finite values only; non-finite values are the collapse rule's evidence.
 
-  A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below its
-                      mean before, KL above its limit (kl_mean > kl_mean_high or kl_sum >
+  A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below or
+                      above its mean before, KL above its limit (kl_mean > kl_mean_high or kl_sum >
                       kl_high) and its past, and staying above the limit over the next w steps
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
@@ -19,7 +19,9 @@ collapse rule look at finite values only; non-finite values are the collapse rul
   E  collapse         non-finite values or skipped steps; or a level shift: one step's change
                       > spike_factor x the mean step change before it, the next w points staying
                       shifted: reward down by reward_drop reward stds, KL up by shift_min of its
-                      level to a mean above kl_high, length either way by shift_min of its level
+                      level to a mean above kl_high, length either way by shift_min of its level;
+                      or a slide: the mean of w reward points below the best of w before them
+                      by reward_drop reward stds (plus noise)
   advantage           |advantage| > advantage_abs_max (ScaleRL)
   filtering           filter rate > filter_rate_high, averaged over w consecutive steps
   truncation          truncation rate > truncation_rate_high, averaged over w consecutive steps
@@ -85,13 +87,15 @@ def _aligned(*series: Series) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
-    """Symptom A: KL to the reference shoots up, with a high clip fraction and falling entropy.
+    """Symptom A: KL to the reference shoots up, with a high clip fraction and entropy moving
+    sharply.
 
-    Step i qualifies when, at i, clip_frac > clip_frac_high, entropy is entropy_drop below its
-    mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above the limit
+    Step i qualifies when, at i, clip_frac > clip_frac_high, entropy is entropy_drop below or
+    above its mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above the limit
     and above its median before i, with its median over [i, i+w) staying above the limit.
     A blow-up can take a single step, and what follows it varies (a policy gone deterministic,
-    or one emitting high-entropy garbage), so the signals are read at the step itself.
+    its entropy falling, or one emitting high-entropy garbage, its entropy rising), so the
+    signals are read at the step itself and entropy may move either way.
     The learner makes one update per batch, so only stale samples can be clipped: a batch
     whose samples all come from the current policy (`staleness_max` 0) has clip_frac 0
     whatever happens, and a KL `kl_extreme` times its limit needs no clip fraction either.
@@ -112,7 +116,7 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
             clipping = c[i] > d.clip_frac_high or on_policy[i] or k[i] > d.kl_extreme * limit
             if (clipping and k[i] > limit and k[i] > np.median(k[:i])
                     and np.median(after_kl) > limit
-                    and e[i] < (1 - d.entropy_drop) * np.mean(e[:i])):
+                    and abs(e[i] - np.mean(e[:i])) > d.entropy_drop * np.mean(e[:i])):
                 end = min(i + w, len(steps))
                 ev = [
                     evidence(name, steps[:end], k[:end],
@@ -127,11 +131,13 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
                              f"{c[i]:.3g} at step {steps[i]}, not needed: the KL is over "
                              f"{d.kl_extreme:g}x its limit"),
                     evidence(ent.name, steps[:end], e[:end],
-                             f"{e[i]:.3g} at step {steps[i]}, down from a mean of "
+                             f"{e[i]:.3g} at step {steps[i]}, "
+                             f"{'down' if e[i] < np.mean(e[:i]) else 'up'} from a mean of "
                              f"{np.mean(e[:i]):.3g} before"),
                 ]
                 return make_finding("A", "KL to the reference blows up with a high clip "
-                                         "fraction and falling entropy", ev, cfg, int(steps[i]))
+                                         "fraction and a sharp change of entropy", ev, cfg,
+                                    int(steps[i]))
     return None
 
 
@@ -255,6 +261,24 @@ def level_shift(values: np.ndarray, w: int, factor: float, noise_z: float, direc
     return None
 
 
+def decline(values: np.ndarray, w: int, min_drop: float, noise_z: float
+            ) -> tuple[int, int, float, float] | None:
+    """The first slide: (j, t, mean of x[j:j+w], mean of x[t:t+w]) for the first t at which
+    the mean of x[t:t+w] lies below the best mean of w consecutive points ending before t,
+    x[j:j+w], by more than `min_drop` and `noise_z` standard errors of the difference; None
+    if there is none. A run that recovers later is still caught where it slid. w >= 2."""
+    n = len(values)
+    if n < 2 * w:
+        return None
+    means = sliding_window_view(values, w).mean(axis=1)  # row j: x[j:j+w]
+    best_until = np.maximum.accumulate(means)  # best_until[i]: the best of rows 0..i
+    for t in np.flatnonzero(best_until[:n - 2 * w + 1] - means[w:] > min_drop) + w:
+        j = int(np.argmax(means[:t - w + 1]))
+        if means[j] - means[t] > noise_z * _noise(values[j:j + w], values[t:t + w]):
+            return j, int(t), float(means[j]), float(means[t])
+    return None
+
+
 def _min_change(m: Metrics, s: Series, d: DoctorConfig, unit: str) -> Callable[[int], float]:
     """The smallest level change of `s` that counts at index i: shift_min of its level over
     the w points before ('level'), or reward_drop times the reward std there ('reward')."""
@@ -299,6 +323,15 @@ def collapse(m: Metrics, cfg: RunConfig) -> Finding | None:
             ev.append(evidence(name, s.steps[i - w:i + w], s.values[i - w:i + w],
                                f"level shift at step {int(s.steps[i])}: mean {before:.3g} -> "
                                f"{after:.3g}"))
+    rew = _finite(m, REWARD)
+    if rew is not None and (fall := decline(rew.values, w, d.reward_drop * reward_scale(m),
+                                            d.noise_z)) is not None \
+            and REWARD not in (e.metric for e in ev):
+        j, t, best, low = fall
+        ev.append(evidence(REWARD, rew.steps[j:t + w], rew.values[j:t + w],
+                           f"mean {best:.3g} over steps {int(rew.steps[j])}-"
+                           f"{int(rew.steps[j + w - 1])}, {low:.3g} over steps "
+                           f"{int(rew.steps[t])}-{int(rew.steps[t + w - 1])}"))
     if not ev:
         return None
     return make_finding("E", "metrics broke down mid-run: " + ", ".join(
@@ -317,7 +350,7 @@ def _over(m: Metrics, cfg: RunConfig, name: str, limit: float, code: str,
     if not len(hits):
         return None
     end = int(hits[0]) + w
-    return make_finding(code, f"{what} {rolling[hits[0]]:.0%} over {w} steps", [evidence(
+    return make_finding(code, f"{what} {rolling[hits[0]]:.1%} over {w} steps", [evidence(
         name, s.steps[:end], s.values[:end],
         f"mean {rolling[hits[0]]:.3g} over steps {int(s.steps[end - w])}-{int(s.steps[end - 1])}"
         f" > {limit:g}")], cfg)

@@ -15,10 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import yaml
 
 from ..config import RunConfig
-from ..store import RunKeys, Store, open_store, read_columns
+from ..store import NotFound, RunKeys, Store, open_store, read_columns
 from ..store.keys import metrics_writer
 
 log = logging.getLogger("shardrl.doctor")
@@ -211,10 +212,21 @@ class ChunkReader:
         self.reducer = Reducer()
 
     def poll(self) -> int:
-        """Read the chunks written since the last poll; returns how many were new."""
+        """Read the chunks written since the last poll; returns how many were new. A chunk
+        deleted meanwhile, or one that does not decode (a truncated or foreign file), is
+        passed over, the latter with a warning: the diagnosis goes on without its points. A
+        store error raises, and a later poll reads the chunk again."""
         new = self.tail.poll()
         for key in new:
-            for name, step, value in read_chunk(self.store, key):
+            try:
+                points = read_chunk(self.store, key)
+            except NotFound:
+                points = []
+            except (pa.ArrowException, ValueError) as e:
+                log.warning("metrics chunk %s does not decode (%s); the diagnosis goes on "
+                            "without it", key, e)
+                points = []
+            for name, step, value in points:
                 self.reducer.add(name, step, value)
             self.tail.take([key])
         return len(new)
