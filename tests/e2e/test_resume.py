@@ -183,3 +183,36 @@ def test_a_run_stopped_before_its_snapshot_starts_again_under_its_id(tmp_path, t
     text = finish(proc, out, timeout=600)
     assert proc.returncode == 0, text[-3000:]
     assert store.exists(keys.done())
+
+
+@pytest.mark.slow
+def test_stopped_stages_write_their_buffered_metrics(tmp_path):
+    """Ctrl-C: the runner SIGTERMs its stages, which stop through their `finally` blocks, so
+    the metrics they buffer (written every 5 s otherwise) reach the store: the learner's reach
+    the version it had committed when it stopped."""
+    store_path = str(tmp_path / "store")
+    store = open_store(store_path)
+    run_id = "stopped"
+    proc, out = start_runner(tmp_path, run_args(write_config(tmp_path), store_path, run_id,
+                                                "learner.doctor_every=1000"), "first")
+    wait_for(lambda: version(store, run_id) >= 4, 400, "learner version 4")
+    os.kill(proc.pid, signal.SIGINT)
+    text = finish(proc, out)
+    stopped_at = version(store, run_id)
+    assert proc.returncode == 130 and stopped_at < STEPS, text[-3000:]
+    steps = learner_steps(tmp_path / "store", run_id, "learn/update_s")
+    assert steps and max(steps) >= stopped_at, (sorted(steps), stopped_at)
+    log = (tmp_path / "store" / "runs" / run_id / "logs" / "learn.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def learner_steps(store: Path, run_id: str, name: str) -> list[int]:
+    """The steps of metric `name` among the learner's metric chunks."""
+    import pyarrow.parquet as pq
+
+    steps = []
+    for f in sorted((store / "runs" / run_id / "metrics" / "learn").rglob("*.parquet")):
+        t = pq.read_table(f)
+        steps += [s for n, s in zip(t.column("name").to_pylist(), t.column("step").to_pylist(),
+                                    strict=True) if n == name]
+    return steps

@@ -87,6 +87,23 @@ def test_a_kl_blowup_with_high_clip_fraction_and_falling_entropy():
     assert codes(metrics(s)) == []
 
 
+def test_a_waits_for_a_full_window_after_the_step_it_judges():
+    # a one-step spike at step 12 (KL 300x its 0.01 level, clip 0.5, entropy halved): while
+    # fewer than w = 5 points follow it, the median over them would be the spike itself
+    s = base()
+    s["learn/kl_mean"] = np.where(STEP == 12, 3.0, 0.01)
+    s["learn/clip_frac"] = np.where(STEP == 12, 0.5, 0.05)
+    s["learn/entropy"] = np.where(STEP == 12, 0.5, 1.0)
+    for last in (12, 13, 16, 19):
+        m = Metrics.from_points([p for p in metrics(s).to_points() if p[1] <= last])
+        assert "A" not in codes(m), last
+    # one that stays up is found once its window is complete (steps 12-16)
+    s["learn/kl_mean"] = np.where(STEP >= 12, 3.0, 0.01)
+    for last, found in ((15, False), (16, True)):
+        m = Metrics.from_points([p for p in metrics(s).to_points() if p[1] <= last])
+        assert ("A" in codes(m)) is found, last
+
+
 def test_a_kl_blowup_into_high_entropy_garbage():
     s = base()
     # as above, but entropy rises 1 + 0.1 i: 2.1 at i = 11 > 1.2 x 1.5 (its mean over i < 11)

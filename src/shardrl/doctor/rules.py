@@ -8,7 +8,7 @@ collapse rule look at finite values only; non-finite values are the collapse rul
 
   A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below or
                       above its mean before, KL above its limit (kl_mean > kl_mean_high or kl_sum >
-                      kl_high) and its past, and staying above the limit over the next w steps
+                      kl_high) and its past, and staying above the limit over the next w steps (judged once they are there)
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
@@ -111,8 +111,8 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
             continue
         steps, (k, c, e, *g) = _aligned(kl, clip, ent, *((lag,) if lag is not None else ()))
         on_policy = g[0] == 0 if g else np.zeros(len(steps), dtype=bool)
-        for i in range(1, len(steps)):
-            after_kl = k[i:i + w]
+        for i in range(1, len(steps) - w + 1):  # a full window after i: a spike at the
+            after_kl = k[i:i + w]                 # newest steps is judged once it has one
             clipping = c[i] > d.clip_frac_high or on_policy[i] or k[i] > d.kl_extreme * limit
             if (clipping and k[i] > limit and k[i] > np.median(k[:i])
                     and np.median(after_kl) > limit

@@ -348,7 +348,9 @@ def run(args) -> int:
             marker = Aborted.read(lr.store, lr.keys.aborted(), optional=True)
             monitor.say("the looping stages stopped before the run was done" +
                         (f": run aborted: {marker.describe()}" if marker else
-                         f"; see {lr.log_dir}") + f" (resume with {resume_hint(lr)})")
+                         f"; see {lr.log_dir}") + f" (resume with {resume_hint(lr)}; "
+                        f"`shardrl doctor {lr.run_id} --store {lr.store_uri}` reads its "
+                        f"metrics)")
             return 1
         monitor.finish_metrics()
         for spec in after_loop(lr.cfg):

@@ -5,12 +5,30 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import signal
 
 EXIT_STORE_UNAVAILABLE = 75
 """Exit status of a stage that waited `store.retry.deadline_s` for the object store in vain."""
 EXIT_RUN_ABORTED = 3
 """Exit status of a stage that stopped the run itself: it wrote ABORTED.json with the reason,
 and a restart would meet the same condition (the learner without signal to learn from)."""
+
+
+class Stopped(SystemExit):
+    """A stage asked to stop (SIGTERM: the runner ending the run, Kubernetes ending a pod)."""
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises `Stopped` (exit 143) in the main thread instead of ending the process
+    where it stands: the stage's `finally` blocks run, so its buffered metrics and its queued
+    shard writes reach the store. The stage's protocol survives a kill at any point, so an
+    exception at any point is no worse. A second SIGTERM ends the process at once."""
+
+    def stop(signum, frame):  # noqa: ARG001
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Stopped(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def run(args) -> int:
@@ -35,6 +53,7 @@ def run(args) -> int:
     # the collector's full passes, each of which would otherwise pause a step or a shard
     gc.freeze()
 
+    stop_on_sigterm()
     try:
         try:  # a looping stage waits for the run itself (`StageContext.wait_for_run`)
             return int(module.main(ctx) or 0)

@@ -316,13 +316,19 @@ class Learner:
         limit = self.cfg.learner.max_batches_without_signal
         if not self.barren_limit():
             return False
+        advice = (
+            "The policy solves each of these prompts never (or always): warm-start it "
+            "(model.sft), pick an easier task, or sample more per prompt (rollout.group_size)"
+            if self.version == 0 else
+            f"It trained {self.version} step(s) before this, so the policy most likely "
+            f"collapsed rather than met a task too hard (a learning rate too high or a "
+            f"sampling temperature too low are the usual causes: `shardrl doctor "
+            f"{self.ctx.run_id}` reads the metrics): start again with gentler settings")
         reason = (
             f"nothing to learn from: in the last {self.barren.groups} prompt groups "
             f"({self.barren.rows} samples, mean reward {self.barren.mean_reward():.3f}) every "
             f"sample of a group got the same reward, so zero-variance filtering kept none and "
-            f"the policy has not changed since version {self.version}. The policy solves each of "
-            f"these prompts never (or always): warm-start it (model.sft), pick an easier task, or "
-            f"sample more per prompt (rollout.group_size); "
+            f"the policy has not changed since version {self.version}. {advice}; "
             f"learner.max_batches_without_signal = {limit} sets this limit")
         Aborted(stage="learn", exit_code=EXIT_RUN_ABORTED, reason=reason,
                 time=time.time()).write_first(self.ctx.store, self.ctx.keys.aborted())

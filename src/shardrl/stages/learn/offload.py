@@ -168,7 +168,8 @@ def _serve(conn, parent_end, store: Store, keys: RunKeys, cfg: RunConfig | None,
     if die is not None:
         die()
     parent_end.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when this ends
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the learner decides when this ends
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(1)
     store = store.reopened()
     # an outage met here is the learner's: its start and end go to the learner, which logs
