@@ -127,6 +127,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def op_loaded(pid: int) -> bool:
+    """Whether process `pid` has DeepSpeed's shared-memory communication op mapped."""
+    try:
+        return "deepspeed_shm_comm" in (Path("/proc") / str(pid) / "maps").read_text()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting for its reaper."""
     try:
@@ -203,12 +211,15 @@ def test_ranks_die_with_their_killed_launcher(tmp_path: Path):
                                 stderr=subprocess.DEVNULL)
     ranks: list[int] = []
     try:
-        # each rank makes its cache folder, named with its pid, once it runs the stage
+        # each rank makes its cache folder, named with its pid, once it runs the stage, and
+        # has DeepSpeed's communication op mapped once it loaded it: killed before, a rank
+        # could leave the op's build lock behind for the tests after this one
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             ranks = children(launcher.pid)
             cached = {p.name.rpartition("-")[2] for p in (tmp_path / "cache").glob(f"{RUN}/*")}
-            if len(ranks) == 2 and {str(p) for p in ranks} <= cached:
+            if (len(ranks) == 2 and {str(p) for p in ranks} <= cached
+                    and all(op_loaded(p) for p in ranks)):
                 break
             assert launcher.poll() is None, "the learner ended before its ranks started"
             time.sleep(0.2)

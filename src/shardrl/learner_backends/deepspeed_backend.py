@@ -14,10 +14,15 @@ ranks or on the backend.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
-from contextlib import AbstractContextManager, nullcontext
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,61 @@ from .base import (
 
 NEVER_PRINT = 2**62
 """DeepSpeed's `steps_per_print`: the learner logs its own metrics."""
+
+
+BUILD_LOCK_STALE_S = 900.0
+"""A torch extension's build lock older than this was left by a process killed while it held
+it: DeepSpeed builds an op in a minute or two, and every process that loads one takes the lock
+for a moment, so a learner killed while starting (a crash, a stopped run) can leave it behind,
+and every later load would wait for it for ever."""
+
+log = logging.getLogger("shardrl.learn")
+
+
+def extensions_root() -> Path:
+    """Where torch builds and caches extension ops (DeepSpeed's among them)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+@contextmanager
+def stale_build_locks_removed(root: Path, stale_s: float = BUILD_LOCK_STALE_S,
+                              every_s: float = 10.0) -> Iterator[None]:
+    """While the block loads ops, a thread removes any build lock under `root` (`<op>/lock`,
+    or `<python>_<device>/<op>/lock`) older than `stale_s`, saying so, and says once when a
+    lock has held the load up for a minute: a wait that would never end ends then."""
+
+    def sweep(said: set[Path]) -> None:
+        for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except OSError:
+                continue  # released meanwhile
+            if age > stale_s:
+                lock.unlink(missing_ok=True)
+                log.warning("removed %s, %.0f s old: a process building or loading that op "
+                            "was killed while it held the lock", lock, age)
+            elif age > 60 and lock not in said:
+                said.add(lock)
+                log.info("waiting for %s (%.0f s old): another process builds that op, or one "
+                         "was killed while building it (removed once %.0f s old)", lock, age,
+                         stale_s)
+
+    stop, said = threading.Event(), set()
+
+    def watch() -> None:
+        sweep(said)
+        while not stop.wait(every_s):
+            sweep(said)
+
+    thread = threading.Thread(target=watch, name="build-locks", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _free_port() -> int:
@@ -120,6 +180,11 @@ class DeepSpeedLearnerBackend:
     def __init__(self, lm: nn.Module, settings: OptimSettings, cfg: DeepSpeedBackend,
                  critic: Critic | None = None,
                  param_persistence_threshold: int | None = None) -> None:
+        with stale_build_locks_removed(extensions_root()):  # DeepSpeed loads its ops here
+            self._build(lm, settings, cfg, critic, param_persistence_threshold)
+
+    def _build(self, lm: nn.Module, settings: OptimSettings, cfg: DeepSpeedBackend,
+               critic: Critic | None, param_persistence_threshold: int | None) -> None:
         init_distributed()
         import deepspeed
 
