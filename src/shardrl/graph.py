@@ -83,7 +83,7 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("snapshot", "shardrl.stages.snapshot", False, (),
-              "SFT warm start; writes the frozen reference and policy v0, evaluates v0 "
+              "SFT warm start (model.sft); writes the frozen reference and policy v0, evaluates v0 "
               "(HF engine), writes run.json",
               cpu="2", memory="8Gi"),
     StageSpec("rollout", "shardrl.stages.rollout", True, ("snapshot",),

@@ -110,6 +110,14 @@ def test_resume_of_an_unknown_run_says_so(tmp_path):
     assert "--resume nope: no run.json under" in res.stderr
 
 
+def test_resume_refuses_settings_it_would_ignore(tmp_path):
+    res = run_cli(["run", "--resume", "r1", "--store", str(tmp_path / "store"), "--set",
+                   "learner.total_steps=80", "--run-id", "r2"], tmp_path, timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert ("--resume continues run r1 with the config it started with, so --set, --run-id "
+            "would be ignored; drop them") in res.stderr
+
+
 def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):
     """Starting `shardrl run` again with a finished or interrupted run's id used to go on with
     that run under the new config (its stages read the new one, run.json held the old)."""
@@ -157,6 +165,8 @@ def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny
     lr = prepared(tmp_path / "stopped")
     assert not lr.new
     assert find_or_create_run(cfg, "again", new=lr.new) == earlier
+    # (that took the run over for this process, as a runner does: its mark, as it ended)
+    LocalStore(tmp_path / "stopped").put_json(started_key(RunKeys("again")), {"time": 0})
     # such a run cannot be resumed (there is nothing to resume from): the error says what to do
     res = run_cli(["run", "--resume", "again", "--store", str(tmp_path / "stopped")], tmp_path,
                   timeout=120)
@@ -216,3 +226,33 @@ def learner_steps(store: Path, run_id: str, name: str) -> list[int]:
         steps += [s for n, s in zip(t.column("name").to_pylist(), t.column("step").to_pylist(),
                                     strict=True) if n == name]
     return steps
+
+
+def test_a_second_runner_on_a_run_in_use_is_refused_before_it_writes(tmp_path, tiny_config):
+    """Two runners on one run id (the same --run-id, or a --resume of a running run) would
+    write over each other's config and state: the second is refused while the first lives,
+    and the first's config stands. A mark left by a runner that has ended is taken over."""
+    store_path = str(tmp_path / "store")
+    store = LocalStore(tmp_path / "store")
+    keys = RunKeys("shared")
+    proc, out = start_runner(tmp_path, run_args(tiny_config, store_path, "shared", "seed=1"),
+                             "first")
+    wait_for(lambda: store.exists(started_key(keys)), 120, "the first runner's mark")
+    config = tmp_path / "store" / "runs" / "shared" / "logs" / "config.yaml"
+    wait_for(config.exists, 120, "the first runner's config")
+    for args in (run_args(tiny_config, store_path, "shared", "seed=2"),
+                 ["run", "--resume", "shared", "--store", store_path, "--no-progress"]):
+        res = run_cli(args, tmp_path, timeout=120)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert (f"run shared in {store_path} is in use by the runner with process id "
+                f"{proc.pid}") in res.stderr, res.stderr[-2000:]
+        assert "seed: 1\n" in config.read_text()
+    text = finish(proc, out)
+    assert proc.returncode == 0, text[-3000:]
+    assert store.get_json(keys.run_json())["config"]["seed"] == 1
+
+    # the first runner has ended: its mark no longer holds the run
+    args = argparse.Namespace(resume="shared", config=None, overrides=[], run_id=None,
+                              store=store_path)
+    lr = prepare_run(args)
+    assert store.get_json(started_key(keys))["pid"] == os.getpid() and not lr.new

@@ -296,6 +296,24 @@ def test_invalid_config_lists_every_problem_and_creates_nothing(tmp_path):
     assert res.returncode != 0 and "rollout.group_size" in (res.stdout + res.stderr)
 
 
+@pytest.mark.parametrize(("store", "message"), [
+    ("afile", "Not a directory"),
+    ("gs://bucket/x", "unsupported store URI scheme 'gs' in 'gs://bucket/x'"),
+    ("s3://", "expected s3://bucket/prefix, got 's3://'"),
+])
+def test_a_store_that_cannot_be_opened_is_one_line(tmp_path, store, message):
+    (tmp_path / "afile").write_text("")
+    path = ["tiny.yaml"]
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    res = run_cli(["run", *path, "--store", store, "--no-progress"], tmp_path, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.startswith("shardrl run: ") and message in res.stderr
+    if "://" in store:
+        res = run_cli(["doctor", "r1", "--store", store], tmp_path, timeout=120)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert message in res.stderr
+
+
 def test_a_failed_shard_write_stops_the_worker_even_when_a_later_write_succeeds(run, monkeypatch):
     """The writes of one generation batch run on a background thread; each is checked, not
     only the batch's last, so a lost shard can never pass for a written one."""

@@ -141,6 +141,38 @@ def test_unknown_preset_suggests(tmp_path):
         load_config(f)
 
 
+def test_responses_must_leave_room_for_a_prompt_in_a_tiny_models_context():
+    tiny = {"source": {"kind": "tiny", "max_position_embeddings": 32}}
+    (err,) = _errors({"model": tiny, "rollout": {"max_new_tokens": 100}})
+    assert "`rollout.max_new_tokens` (100) leaves no room for a prompt" in err.message
+    (err,) = _errors({"model": tiny, "eval": {"max_new_tokens": 32}})
+    assert "`eval.max_new_tokens` (32)" in err.message
+    assert validate({"model": tiny, "rollout": {"max_new_tokens": 31}}).rollout.max_new_tokens == 31
+
+
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
+    f = tmp_path / "c.yaml"
+    # plain YAML keeps the last `learner:` and drops lr 5e-4 without a word
+    f.write_text("extends: demo\nlearner: {lr: 5.0e-4}\nrollout: {workers: 1}\n"
+                 "learner: {total_steps: 30}\n")
+    with pytest.raises(ConfigError, match=r"the key 'learner' appears twice \(also at line 2\)"):
+        load_config(f)
+    f.write_text("extends: demo\nlearner:\n  lr: 5.0e-4\n  lr: 1.0e-3\n")  # nested too
+    with pytest.raises(ConfigError, match="the key 'lr' appears twice"):
+        load_config(f)
+
+
+def test_unreadable_files_and_bad_override_values_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read as text"):
+        load_config(tmp_path)  # a folder
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"\xff\xfe\x00learner")
+    with pytest.raises(ConfigError, match="cannot be read as text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"learner.lr: value '\[1' is not valid YAML"):
+        load_config("demo", ["learner.lr=[1"])
+
+
 def test_cli_validate_exits_nonzero_listing_errors(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("extends: demo\nlearner: {lr: -1, totl_steps: 3}\n")

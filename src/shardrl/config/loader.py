@@ -46,11 +46,30 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last one without a word, so an earlier `learner:` block would be dropped unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} appears twice (also at line "
+                    f"{seen[key].line + 1}): merge the two", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - safe
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [FieldError("", f"not valid YAML: {exc}")]) from exc
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, an unreadable or binary file
+        raise ConfigError(str(path), [FieldError("", f"cannot be read as text: {exc}")]) from exc
     if not isinstance(data, dict):
         raise ConfigError(str(path), [FieldError("", "the top level must be a mapping")])
     return data
@@ -106,7 +125,11 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     if "=" not in assignment:
         raise ConfigError("--set", [FieldError(assignment, "expected KEY=VALUE, e.g. learner.lr=1e-4")])
     dotted, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError("--set", [FieldError(dotted.strip(), f"value {raw!r} is not valid "
+                                               f"YAML: {' '.join(str(exc).split())}")]) from exc
     patch: dict[str, Any] = {}
     cursor = patch
     parts = dotted.strip().split(".")

@@ -60,6 +60,15 @@ class RunConfig(Section):
                 f"({self.learner.total_steps}): lower eval.every so at least one "
                 "intermediate evaluation happens"
             )
+        source = self.model.source
+        if source.kind == "tiny":  # prompt + response must fit the model's context
+            for name, tokens in (("rollout.max_new_tokens", self.rollout.max_new_tokens),
+                                 ("eval.max_new_tokens", self.eval.max_new_tokens)):
+                if tokens is not None and tokens >= source.max_position_embeddings:
+                    errors.append(
+                        f"`{name}` ({tokens}) leaves no room for a prompt in the model's "
+                        f"context (`model.source.max_position_embeddings` "
+                        f"{source.max_position_embeddings}): lower it or raise the context")
         for spec in STAGES:  # every stage that builds a vLLM engine runs on a GPU
             if spec.image(self) == "vllm" and getattr(self.pipeline.resources, spec.name).gpus == 0:
                 errors.append(

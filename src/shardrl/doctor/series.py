@@ -19,7 +19,7 @@ import pyarrow as pa
 import yaml
 
 from ..config import RunConfig
-from ..store import NotFound, RunKeys, Store, open_store, read_columns
+from ..store import NotFound, RunKeys, Store, StoreURIError, open_store, read_columns
 from ..store.keys import metrics_writer
 
 log = logging.getLogger("shardrl.doctor")
@@ -262,7 +262,10 @@ class RunHandle:
 def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
     """The run `run_id` in `store_uri` (default: the config's default store), or None when the
     store holds no `run.json` for it."""
-    store = open_store(store_uri or RunConfig().store.uri)
+    try:
+        store = open_store(store_uri or RunConfig().store.uri)
+    except StoreURIError as exc:  # every command that reads a run: one line, not a trace
+        raise SystemExit(f"shardrl: {exc}") from None
     try:
         keys = RunKeys(run_id)
     except ValueError:

@@ -48,7 +48,9 @@ def check_safe_weights_dir(model_dir: str | Path) -> list[Path]:
     """
     root = Path(model_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"model directory {root} does not exist")
+        raise FileNotFoundError(f"model directory {root} does not exist (relative paths start "
+                                f"in the working folder; `make models` builds the SmolLM2 folder "
+                                f"that the smollm2 preset names)")
     files = sorted(p for p in root.rglob("*") if p.is_file())
     for path in files:
         if path.name.endswith(PICKLE_SUFFIXES):

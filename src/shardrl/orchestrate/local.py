@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,12 +19,20 @@ import yaml
 
 from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
-from ..lifetime import die_with_parent
+from ..lifetime import die_with_parent, running
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages import channel as weights_channel
 from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
-from ..store import LocalStore, PermanentStoreError, RunKeys, Store, StoreUnavailable, open_store
+from ..store import (
+    LocalStore,
+    RunKeys,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+)
+from ..store.base import json_bytes
 from ..store.records import Aborted
 from ..tracking.mlflow_run import RunIdTaken
 from .fork import Forked, fork_stage
@@ -194,11 +204,21 @@ def prepare_run(args) -> LocalRun:
             except ValueError as exc:
                 raise SystemExit(f"shardrl run: {exc}") from None
     if args.resume:
+        ignored = [flag for flag, given in (("--set", args.overrides), ("--run-id", args.run_id),
+                                            ("--create-bucket", getattr(args, "create_bucket",
+                                                                        False))) if given]
+        if ignored:  # the run goes on under the config it started with (its run.json)
+            raise SystemExit(
+                f"shardrl run: --resume continues run {args.resume} with the config it started "
+                f"with, so {', '.join(ignored)} would be ignored; drop "
+                f"{'it' if len(ignored) == 1 else 'them'} (`shardrl replay` trains a copy "
+                f"under changed settings)")
         run_id = args.resume
         store_uri = args.store or (load_config(args.config).store.uri if args.config else "runs")
         store = open_store(store_uri)
         keys = RunKeys(run_id)
         if not store.exists(keys.run_json()):
+            refuse_if_in_use(store, keys, store_uri)  # a run still in its snapshot
             if store.exists(started_key(keys)):
                 raise SystemExit(
                     f"--resume {run_id}: the run stopped before its snapshot finished (no "
@@ -214,7 +234,8 @@ def prepare_run(args) -> LocalRun:
             raise SystemExit("shardrl run: give a CONFIG (file or preset) or --resume RUN_ID")
         cfg = load_config(args.config, args.overrides)
         store_uri = args.store or cfg.store.uri
-        run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # the time, and a suffix for two runs started in the same second
+        run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         store = open_store(store_uri, retry_policy(cfg))
         if getattr(args, "create_bucket", False) and hasattr(store, "create_bucket"):
             if store.create_bucket():
@@ -227,6 +248,7 @@ def prepare_run(args) -> LocalRun:
                 + (f" --store {args.store}" if args.store else "") + "`, or pick another --run-id")
     logs = keys.root + "logs/"  # a folder store's runner logs live under the run's root
     new = not args.resume and not any(not k.startswith(logs) for k in store.list(keys.root))
+    claim(store, keys, store_uri)  # before anything of this runner's is written
     log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
     if store_uri.startswith("file://"):
         log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
@@ -251,10 +273,39 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def started_key(keys: RunKeys) -> str:
-    """The runner's mark that it started run `keys.run_id` (and may have created its MLflow
-    run), written before any stage: a run stopped before its snapshot wrote anything is then
-    started again under its own id, not refused as an earlier run's."""
+    """The runner's mark that it started run `keys.run_id` (and may create its MLflow run),
+    written before anything else of the run (`claim`): a run stopped before its snapshot wrote
+    anything is then started again under its own id, not refused as an earlier run's."""
     return keys.state("runner", "started.json")
+
+
+def claim(store: Store, keys: RunKeys, store_uri: str) -> None:
+    """Mark run `keys.run_id` as this runner's (`started_key`: its host and pid), or exit
+    with a one-line error while a live runner on this machine holds it: two runners on one
+    run would write over each other's config and state. The mark is created only if absent
+    (atomically where the store can), so of two runners started at once one wins; a mark
+    left by a runner that has ended (or from another machine, which cannot be checked) is
+    taken over."""
+    key = started_key(keys)
+    mark = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    if store.put_if_absent(key, json_bytes(mark)):
+        return
+    refuse_if_in_use(store, keys, store_uri)
+    store.put_json(key, mark)
+
+
+def refuse_if_in_use(store: Store, keys: RunKeys, store_uri: str) -> None:
+    """Exit with a one-line error when a live runner on this machine holds the run's mark."""
+    try:
+        other = store.get_json(started_key(keys)) if store.exists(started_key(keys)) else {}
+    except StoreError:
+        other = {}
+    pid = other.get("pid")
+    if (other.get("host") == socket.gethostname() and isinstance(pid, int)
+            and pid != os.getpid() and running(pid)):
+        raise SystemExit(f"shardrl run: run {keys.run_id} in {store_uri} is in use by the "
+                         f"runner with process id {pid} on this machine; wait for it, stop it, "
+                         f"or pick another --run-id")
 
 
 def clear_abort(store: Store, keys: RunKeys) -> None:
@@ -279,7 +330,8 @@ def one_shot(lr: LocalRun, name: str) -> int:
               file=sys.stderr)
         return code
     if code != 0:
-        print(f"{name} failed (exit {code}): see {lr.log_dir / f'{name}.log'}", file=sys.stderr)
+        log = lr.log_dir / f"{name}.log"
+        print(f"{name} failed (exit {code}){last_error(log)}: see {log}", file=sys.stderr)
         return code if code == EXIT_STORE_UNAVAILABLE else 1
     return 0
 
@@ -289,16 +341,21 @@ def run(args) -> int:
 
     try:
         lr = prepare_run(args)
-        monitor = Monitor(lr, progress_bar=not args.no_progress)
-        if lr.new:
-            lr.store.put_json(started_key(lr.keys), {"time": time.time()})
+        try:
+            monitor = Monitor(lr, progress_bar=not args.no_progress)
+        except RunIdTaken:  # an earlier run's id: this run never started, leave no mark of it
+            if lr.new:
+                lr.store.delete(started_key(lr.keys))
+            raise
     except (ConfigError, RunIdTaken) as exc:
         print(exc, file=sys.stderr)
         return 1
     except StoreUnavailable as exc:
         print(f"shardrl run: {exc}", file=sys.stderr)
         return EXIT_STORE_UNAVAILABLE
-    except PermanentStoreError as exc:  # a missing bucket, rejected credentials: one line
+    except (StoreError, OSError) as exc:
+        # a missing bucket, rejected credentials, a URI naming no store, a folder store's
+        # path that is a file or cannot be written: one line
         print(f"shardrl run: {exc}", file=sys.stderr)
         return 1
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
@@ -428,6 +485,29 @@ def cpu_list(text: str) -> set[int]:
     return cores
 
 
+def last_error(log: Path, tail_bytes: int = 16384) -> str:
+    """`: <the last error of a stage's log>`: the exception line of its last traceback, or its
+    last line logged at ERROR or CRITICAL, whichever comes later, cut to 300 characters; ""
+    when there is none."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found, in_traceback = None, False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            found, in_traceback = line.strip(), False  # the exception the frames end in
+        elif " ERROR " in line or " CRITICAL " in line:
+            found = line.strip()
+    if not found:
+        return ""
+    return ": " + (found if len(found) <= 300 else found[:297] + "...")
+
+
 def resume_hint(lr: LocalRun) -> str:
     return f"`shardrl run --resume {lr.run_id} --store {lr.store_uri}`"
 
@@ -486,9 +566,9 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 if code == EXIT_STORE_UNAVAILABLE:
                     lr.store.exists(lr.keys.run_json())  # raises StoreUnavailable if still down
                 if p.restarts >= limit:
-                    monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code}); "
-                                f"see {p.log}. Stopping the run (resume with "
-                                f"{resume_hint(lr)}).")
+                    monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code})"
+                                f"{last_error(p.log)}; see {p.log}. Stopping the run (resume "
+                                f"with {resume_hint(lr)} once the cause is fixed).")
                     abort(lr, p, code)
                     lr.stop_all()
                     return 1

@@ -17,6 +17,7 @@ from shardrl.store.base import (
     Store,
     StoreError,
     StoreUnavailable,
+    StoreURIError,
 )
 from shardrl.store.keys import RunKeys, ShardKey, parse_shard_key
 from shardrl.store.local import LocalStore
@@ -46,16 +47,17 @@ def open_store(uri: str, retry: RetryPolicy | None = None) -> Store:
     if scheme == "file":
         parts = urlsplit(uri)
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"file URI must name a local path (file:///abs/path), got {uri!r}")
+            raise StoreURIError(f"file URI must name a local path (file:///abs/path), got {uri!r}")
         return LocalStore(Path(unquote(parts.path)))
     if scheme and len(scheme) > 1:  # one letter would be a Windows drive
-        raise ValueError(f"unsupported store URI scheme {scheme!r} in {uri!r}: use s3:// or file://")
+        raise StoreURIError(f"unsupported store URI scheme {scheme!r} in {uri!r}: use s3:// or file://")
     return LocalStore(Path(uri))
 
 
 __all__ = [
     "CorruptShard", "LocalStore", "NotFound", "PermanentStoreError", "RetryPolicy", "RunKeys",
-    "SchemaError", "ShardError", "ShardKey", "Store", "StoreError", "StoreUnavailable",
+    "SchemaError", "ShardError", "ShardKey", "Store", "StoreError", "StoreURIError",
+    "StoreUnavailable",
     "list_column_to_padded", "open_store", "padded_to_list_array", "parse_shard_key",
     "quarantine", "read_columns", "read_or_quarantine", "read_shard", "shards_by_name",
     "write_shard",

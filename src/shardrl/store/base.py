@@ -38,6 +38,10 @@ class PermanentStoreError(StoreError):
     """Retrying cannot help: bad credentials, missing bucket, access denied."""
 
 
+class StoreURIError(PermanentStoreError, ValueError):
+    """A store URI or endpoint that names no store this project can open."""
+
+
 class StoreUnavailable(StoreError):
     """Transient failures went on past the retry policy's attempts or deadline."""
 

@@ -34,6 +34,7 @@ from shardrl.store.base import (
     RetryPolicy,
     Store,
     StoreError,
+    StoreURIError,
     check_key,
     check_limit,
     check_prefix,
@@ -96,7 +97,7 @@ class S3Store(Store):
                               region=region, retry=retry)
         """What `reopened` builds a new client from (its credentials are the client's too)."""
         if not bucket:
-            raise ValueError("S3Store needs a bucket name")
+            raise StoreURIError("S3Store needs a bucket name")
         try:
             check_bucket_name(bucket, strict=True)
         except ValueError as e:
@@ -111,7 +112,7 @@ class S3Store(Store):
                 f"no credentials for bucket {bucket!r} at {endpoint}: set {_ENV_HINT}"
             )
         if parts.scheme not in ("", "http", "https") or not parts.netloc:
-            raise ValueError(f"S3 endpoint must be host[:port] or http(s)://host[:port], got {endpoint!r}")
+            raise StoreURIError(f"S3 endpoint must be host[:port] or http(s)://host[:port], got {endpoint!r}")
         if parts.scheme and secure is not None and secure != (parts.scheme == "https"):
             raise ValueError(f"secure={secure} contradicts the scheme of endpoint {endpoint!r}")
         secure = parts.scheme != "http" if secure is None else secure
@@ -145,7 +146,7 @@ class S3Store(Store):
         """
         parts = urlsplit(uri)
         if parts.scheme != "s3" or not parts.netloc:
-            raise ValueError(f"expected s3://bucket/prefix, got {uri!r}")
+            raise StoreURIError(f"expected s3://bucket/prefix, got {uri!r}")
         return cls(
             bucket=parts.netloc,
             prefix=parts.path,
