@@ -21,6 +21,36 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set learner.lr=1e-4 (repeatable)")
 
 
+def positive(text: str) -> int:
+    """An argument that must be a whole number >= 1."""
+    return _at_least(text, 1)
+
+
+def non_negative(text: str) -> int:
+    """An argument that must be a whole number >= 0."""
+    return _at_least(text, 0)
+
+
+def _at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+    return value
+
+
+def run_id(text: str) -> str:
+    """An argument naming a run: one safe key segment (the store's rule, `RunKeys`)."""
+    from .store.keys import RunKeys  # the store's modules only when the argument is given
+
+    try:
+        return RunKeys(text).run_id
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardrl",
@@ -110,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "bit for bit, or try a config change on the same shards")
     rp.add_argument("run", help="run id of the run to replay")
     rp.add_argument("--store", help="store URI (default: runs)")
-    rp.add_argument("--to-version", type=int, metavar="N", help="stop after version N")
+    rp.add_argument("--to-version", type=positive, metavar="N", help="stop after version N")
     rp.add_argument("--verify", action="store_true",
                     help="check that each version the run still holds is published bit for bit")
-    rp.add_argument("--run-id", help="id of the new run (default: RUN-replay-<time>)")
+    rp.add_argument("--run-id", type=run_id,
+                    help="id of the new run (default: RUN-replay-<time>)")
     rp.add_argument("--no-eval", action="store_true",
                     help="with --set: do not evaluate the new run's versions")
     _add_overrides(rp)
@@ -121,12 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     smp = sub.add_parser("samples", help="audit generated samples of a run")
     smp.add_argument("run", help="run id")
     smp.add_argument("--store", help="store URI")
-    smp.add_argument("--version", type=int, help="policy version (default: latest with data)")
+    smp.add_argument("--version", type=non_negative,
+                     help="policy version (default: latest with data)")
     order = smp.add_mutually_exclusive_group()
     order.add_argument("--worst", action="store_true")
     order.add_argument("--best", action="store_true")
     order.add_argument("--random", action="store_true")
-    smp.add_argument("-n", type=int, default=10, help="rows to show")
+    smp.add_argument("-n", type=positive, default=10, help="rows to show")
     return parser
 
 

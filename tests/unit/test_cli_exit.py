@@ -91,3 +91,31 @@ def test_kubeflow_tasks_end_through_leave_with_their_code():
                        timeout=120)
     assert r.returncode == 2
     assert "report needs --executor-input, --metrics and --html" in r.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["samples", "r1", "--version", "-1"], "argument --version: expected a whole number >= 0"),
+    (["samples", "r1", "-n", "0"], "argument -n: expected a whole number >= 1, got 0"),
+    (["replay", "r1", "--to-version", "-5"], "argument --to-version: expected a whole number"),
+    (["replay", "r1", "--run-id", "a/b"], "argument --run-id: run_id must match"),
+])
+def test_bad_arguments_are_refused_by_the_parser(argv, message, capsys):
+    from shardrl.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_pipeline_commands_report_a_bad_config_or_output_folder_in_one_line(tmp_path, capsys):
+    import argparse
+
+    from shardrl.commands.pipeline_cmd import run
+
+    args = argparse.Namespace(action="compile", config=str(tmp_path / "nosuch.yaml"),
+                              out_dir=str(tmp_path), image_registry=None, image_tag=None,
+                              kubernetes_manifest_format=False)
+    assert run(args) == 1 and "file not found" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    args.config, args.out_dir = None, str(tmp_path / "afile")
+    assert run(args) == 1 and "shardrl pipeline: " in capsys.readouterr().err

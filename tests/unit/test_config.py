@@ -150,6 +150,15 @@ def test_responses_must_leave_room_for_a_prompt_in_a_tiny_models_context():
     assert validate({"model": tiny, "rollout": {"max_new_tokens": 31}}).rollout.max_new_tokens == 31
 
 
+def test_a_boolean_is_not_taken_for_a_number():
+    (err,) = _errors({"learner": {"lr": True}})
+    assert err.path == "learner" and "`lr` expects a number, got the boolean true" in err.message
+    (err,) = _errors({"learner": {"micro_batch": False}})  # an optional number
+    assert "`micro_batch` expects a number" in err.message
+    cfg = validate({"algo": {"filters": {"zero_variance": False}}})  # a boolean field
+    assert cfg.algo.filters.zero_variance is False
+
+
 def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
     f = tmp_path / "c.yaml"
     # plain YAML keeps the last `learner:` and drops lr 5e-4 without a word

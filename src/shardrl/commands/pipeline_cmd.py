@@ -23,9 +23,18 @@ WAIT_TIMEOUT_S = 30 * 86400
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch `pipeline compile` / `pipeline run`."""
-    if args.action == "compile":
-        return _compile(args)
-    return _run(args, os.environ)
+    from shardrl.config import ConfigError
+
+    try:
+        if args.action == "compile":
+            return _compile(args)
+        return _run(args, os.environ)
+    except ConfigError as exc:  # a missing or invalid config: its errors, not a traceback
+        print(exc, file=sys.stderr)
+        return 1
+    except (FileExistsError, NotADirectoryError, PermissionError) as exc:  # the output folder
+        print(f"shardrl pipeline: {exc}", file=sys.stderr)
+        return 1
 
 
 def _compile(args: argparse.Namespace) -> int:
