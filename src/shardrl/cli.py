@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--config", required=True, help="config file, preset name, or inline YAML")
     st.add_argument("--run-id", required=True)
     st.add_argument("--store", help="store URI overriding store.uri")
-    st.add_argument("--worker", type=int, default=0, help="replica index (0-based)")
-    st.add_argument("--workers", type=int, default=1, help="number of replicas")
+    st.add_argument("--worker", type=non_negative, default=0, help="replica index (0-based)")
+    st.add_argument("--workers", type=positive, default=1, help="number of replicas")
     st.add_argument("--once", action="store_true",
                     help="do one synchronous round of work and exit (sync pipeline)")
     st.add_argument("--supervise", action="store_true",
@@ -178,7 +178,10 @@ _HANDLERS = {
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "stage" and args.worker >= args.workers:  # it would wait for ever
+        parser.error(f"--worker {args.worker} is not below --workers {args.workers}")
     handler = _HANDLERS[args.command]
     if args.command == "stage" and args.supervise:  # restart the stage in this container
         handler = "shardrl.orchestrate.supervise"

@@ -119,3 +119,13 @@ def test_pipeline_commands_report_a_bad_config_or_output_folder_in_one_line(tmp_
     (tmp_path / "afile").write_text("")
     args.config, args.out_dir = None, str(tmp_path / "afile")
     assert run(args) == 1 and "shardrl pipeline: " in capsys.readouterr().err
+
+
+def test_a_stage_replica_must_be_below_the_replica_count(capsys):
+    from shardrl.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["stage", "rollout", "--config", "demo", "--run-id", "x", "--worker", "5",
+              "--workers", "2"])
+    assert info.value.code == 2
+    assert "--worker 5 is not below --workers 2" in capsys.readouterr().err
