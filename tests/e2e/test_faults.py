@@ -255,8 +255,9 @@ def test_crash_anywhere_with_the_lead_from_the_take_and_the_weights_channel(tmp_
     # appears (its weights already in the channel, its commit not landed)
     schedule = ["rollout", "learn@commit", "rollout", "learn"]
     thresholds = [3, 6, 9, 12]
-    proc, out = start_runner(tmp_path, run_args(write_config(tmp_path, ARRANGED), store_path,
-                                                run_id), run_id)
+    arranged = tmp_path / "arranged.yaml"  # its `rollout:` merged over the tiny config's
+    arranged.write_text(f"extends: {write_config(tmp_path, '')}\n{ARRANGED}")
+    proc, out = start_runner(tmp_path, run_args(arranged, store_path, run_id), run_id)
     for target, at in zip(schedule, thresholds, strict=True):
         wait_for(lambda at=at: version(store, run_id) >= at, 300, f"learner version {at}")
         if target == "learn@commit":
