@@ -333,10 +333,10 @@ def test_remedy_keys_follow_the_kl_controller():
     s["learn/value_loss"][14] = 8.0
     (c,) = diagnose(metrics(s), adaptive)
     assert [r.keys[0] for r in c.remedies] == ["algo.shaping.clip", "algo.critic.lr",
-                                               "algo.advantages.lam"]
+                                               "algo.advantages.lam", "learner.lr"]
     assert len(c.causes) == 4
     (c,) = diagnose(metrics(s), RunConfig())
-    assert [r.keys[0] for r in c.remedies] == ["algo.shaping.clip"]
+    assert [r.keys[0] for r in c.remedies] == ["algo.shaping.clip", "learner.lr"]
     assert not any("value-head" in x or "GAE" in x for x in c.causes)
 
 
@@ -348,3 +348,23 @@ def test_finding_round_trips_and_formats_in_order():
     text = format_finding(f)
     assert text.index("1. audit truncated") < text.index("2. penalise") < text.index("3. check")
     assert "rollout.max_new_tokens" in text
+
+
+def test_a_short_run_says_which_rules_it_could_not_judge_yet():
+    from shardrl.doctor import too_short
+    from shardrl.doctor.cli import Diagnosis
+
+    short = Metrics.from_points([(name, i, 0.5) for i in range(3) for name in (
+        "score/reward_rm_mean", "learn/grad_norm", "prepare/filter_rate")])
+    # window 5, min_steps 10: trends from max(10, 2 x 5) points, spikes from 6, rates from 5
+    assert too_short(short, CFG) == {
+        "B": "3 step(s) of score/reward_rm_mean; it judges from 10",
+        "C": "3 step(s) of learn/grad_norm; it judges from 6",
+        "D": "3 step(s) of score/reward_rm_mean; it judges from 10",
+        "E": "3 step(s) of score/reward_rm_mean; it judges from 10",
+        "filtering": "3 step(s) of prepare/filter_rate; it judges from 5"}
+    assert too_short(metrics(base()), CFG) == {}
+    no_kl = RunConfig()  # the default: no KL to a reference
+    text = Diagnosis("r", "store", short, diagnose(short, no_kl), no_kl).text()
+    assert "not judged yet: C (3 step(s) of learn/grad_norm; it judges from 6)" in text
+    assert "not assessed: A (no KL to a reference in this run: algo.kl.placement is none)" in text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from .findings import Finding, format_finding
-from .rules import diagnose, unassessed
+from .rules import diagnose, too_short, unassessed
 from .series import Metrics, load_mlflow_metrics, load_store_metrics, mlflow_config, open_run
 
 
@@ -26,11 +26,13 @@ class Diagnosis:
     """Where the metrics came from: the store URI or the MLflow tracking URI."""
     metrics: Metrics
     findings: list[Finding]
+    cfg: RunConfig
 
     def to_dict(self) -> dict:
         return {"run": self.run, "source": self.source,
                 "findings": [f.to_dict() for f in self.findings],
-                "unassessed": unassessed(self.metrics)}
+                "unassessed": unassessed(self.metrics),
+                "too_short": too_short(self.metrics, self.cfg)}
 
     def text(self) -> str:
         learn = self.metrics.get("learn/policy_loss")
@@ -39,9 +41,15 @@ class Diagnosis:
                 f"learner step {last}")
         body = ([f"{len(self.findings)} finding(s):"] + [format_finding(f) for f in self.findings]
                 if self.findings else ["no findings"])
-        skipped = [f"not assessed: {code} (no {', '.join(names)})"
+        kl_off = self.cfg.algo.kl.placement == "none"
+        skipped = [f"not assessed: {code} (" + (
+            "no KL to a reference in this run: algo.kl.placement is none" if kl_off and
+            code in ("A", "B") else f"no {', '.join(names)}") + ")"
                    for code, names in unassessed(self.metrics).items()]
-        return "\n".join([head, *body, *skipped])
+        short = [f"not judged yet: {code} ({why})"
+                 for code, why in too_short(self.metrics, self.cfg).items()
+                 if not any(f.code == code for f in self.findings)]
+        return "\n".join([head, *body, *skipped, *short])
 
 
 def _mlflow_client(cfg: RunConfig):
@@ -60,7 +68,7 @@ def load_diagnosis(run: str, store_uri: str | None) -> Diagnosis | None:
     handle = open_run(run, store_uri)
     if handle is not None:
         m = load_store_metrics(handle.store, handle.keys)
-        return Diagnosis(run, handle.store.uri, m, diagnose(m, handle.cfg))
+        return Diagnosis(run, handle.store.uri, m, diagnose(m, handle.cfg), handle.cfg)
     c = _mlflow_client(RunConfig())
     if c is None:
         return None
@@ -71,7 +79,7 @@ def load_diagnosis(run: str, store_uri: str | None) -> Diagnosis | None:
         m = load_mlflow_metrics(c, run)
     except MlflowException:
         return None
-    return Diagnosis(run, c.tracking_uri, m, diagnose(m, cfg))
+    return Diagnosis(run, c.tracking_uri, m, diagnose(m, cfg), cfg)
 
 
 def run(args) -> int:

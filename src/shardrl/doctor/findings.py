@@ -147,6 +147,8 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
                       ("algo.critic.lr", "algo.critic.vf_coef")),
                Remedy("lower GAE lambda (e.g. 0.95 -> 0.9) or gamma to cut long-range variance",
                       ("algo.advantages.lam", "algo.advantages.gamma"))) if critic else ()),
+            Remedy("lower the policy's learning rate or clip the gradient tighter",
+                   ("learner.lr", "learner.grad_clip")),
         )
     if code == "D":
         return "reward hacking", (

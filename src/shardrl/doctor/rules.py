@@ -399,6 +399,22 @@ def diagnose(m: Metrics, cfg: RunConfig) -> list[Finding]:
     return [f for _, rule, _ in RULES if (f := rule(m, cfg)) is not None]
 
 
+def too_short(m: Metrics, cfg: RunConfig) -> dict[str, str]:
+    """Rules whose metrics exist but hold fewer points than the rule judges: code -> why. A
+    short run's "no findings" is then not read as a clean bill of health."""
+    d = cfg.doctor
+    w, trend = d.window, max(d.min_steps, 2 * d.window)
+    need = {"A": (KL_MEAN, w + 1), "B": (REWARD, trend), "C": ("learn/grad_norm", w + 1),
+            "D": (REWARD, trend), "E": (REWARD, 2 * w), "filtering": ("prepare/filter_rate", w),
+            "truncation": ("rollout/truncation_rate", w)}
+    out = {}
+    for code, (name, points) in need.items():
+        s = _finite(m, name)
+        if s is not None and len(s) < points:
+            out[code] = f"{len(s)} step(s) of {name}; it judges from {points}"
+    return out
+
+
 def unassessed(m: Metrics) -> dict[str, list[str]]:
     """Rules that could not look at this run: code -> the metrics it lacks."""
     return {code: missing for code, _, needs in RULES
