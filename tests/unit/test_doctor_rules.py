@@ -368,3 +368,15 @@ def test_a_short_run_says_which_rules_it_could_not_judge_yet():
     text = Diagnosis("r", "store", short, diagnose(short, no_kl), no_kl).text()
     assert "not judged yet: C (3 step(s) of learn/grad_norm; it judges from 6)" in text
     assert "not assessed: A (no KL to a reference in this run: algo.kl.placement is none)" in text
+
+
+def test_drift_between_the_sampler_and_the_learner():
+    s = base()
+    # k3 of a healthy run stays near 0.01; at steps 9 and 12 the learner's policy is far off
+    s["learn/mismatch_k3"] = np.where(np.isin(STEP, [9, 12]), np.where(STEP == 9, 0.4, 5.6), 0.01)
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "drift" and f.step == 9
+    assert f.summary == "the learner's policy is 0.4 nats per token from the sampler's (KL, k3)"
+    assert f.evidence[0].steps == (9, 12) and f.remedies[0].keys == ("learner.lr",)
+    s["learn/mismatch_k3"] = np.full(N, 0.09)  # under drift_high 0.1
+    assert codes(metrics(s)) == []

@@ -241,6 +241,9 @@ class DoctorConfig(Section):
     """Zero-variance filter rate above this is over-filtering."""
     truncation_rate_high: float = Field(0.1, gt=0.0, le=1.0)
     """Share of responses hitting max_new_tokens."""
+    drift_high: float = Field(0.1, gt=0.0, le=100.0)
+    """KL (k3, nats per token) from the sampling policy to the learner's on the same tokens
+    above which the two have drifted apart (a healthy demo run stays under 0.03)."""
     spike_factor: float = Field(5.0, gt=1.0)
     """A value this many times its running median is a spike."""
     window: int = Field(5, ge=2, le=10000)

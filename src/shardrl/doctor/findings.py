@@ -209,6 +209,21 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
             Remedy("give episodes the turns the task needs (the samples' `turns` column)",
                    ("rollout.max_turns",)),
         )
+    if code == "drift":
+        return "policy drift between sampler and learner", (
+            "each update moves the policy far (a learning rate too high): samples even one "
+            "version old no longer fit it",
+            "samples many versions old (a large staleness bound)",
+            "the sampler's numerics differ from the learner's (weights published in bfloat16, "
+            "another engine)",
+        ), (
+            Remedy("lower the learning rate first and watch the drift fall at once",
+                   ("learner.lr",)),
+            Remedy("lower the staleness bound", ("learner.max_staleness",)),
+            Remedy("correct for the mismatch with truncated importance weights",
+                   ("algo.is_correction.enabled",)),
+            Remedy("publish the weights in float32", ("learner.publish.dtype",)),
+        )
     raise KeyError(f"unknown symptom code {code!r}")
 
 

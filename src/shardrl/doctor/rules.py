@@ -25,6 +25,8 @@ collapse rule look at finite values only; non-finite values are the collapse rul
   advantage           |advantage| > advantage_abs_max (ScaleRL)
   filtering           filter rate > filter_rate_high, averaged over w consecutive steps
   truncation          truncation rate > truncation_rate_high, averaged over w consecutive steps
+  drift               KL from the sampling policy to the learner's (mismatch_k3) > drift_high
+                      at some step: lag, a learning rate too high, or numerics that differ
 """
 
 from __future__ import annotations
@@ -381,6 +383,22 @@ def truncation(m: Metrics, cfg: RunConfig) -> Finding | None:
                  "truncation", "responses truncated at the limit:")
 
 
+def policy_drift(m: Metrics, cfg: RunConfig) -> Finding | None:
+    """The policy the learner trains has moved far from the one that sampled its batch:
+    `learn/mismatch_k3` (k3 of KL(sampler || learner) on the batch's tokens, lag included)
+    above drift_high. The clipped or truncated update then learns little from those samples,
+    and a collapse often follows."""
+    limit = cfg.doctor.drift_high
+    s = _finite(m, "learn/mismatch_k3")
+    if s is None or not (far := s.values > limit).any():
+        return None
+    first = int(np.flatnonzero(far)[0])
+    return make_finding("drift", f"the learner's policy is {s.values[first]:.3g} nats per token "
+                                 f"from the sampler's (KL, k3)", [evidence(
+        s.name, s.steps[far], s.values[far], f"> drift_high {limit:g}")], cfg,
+                        int(s.steps[first]))
+
+
 RULES: tuple[tuple[str, Rule, tuple[str, ...]], ...] = (
     ("A", kl_blowup, (KL_MEAN, "learn/clip_frac", "learn/entropy")),
     ("B", kl_stuck, (KL_MEAN, REWARD)),
@@ -390,6 +408,7 @@ RULES: tuple[tuple[str, Rule, tuple[str, ...]], ...] = (
     ("advantage", advantage_explosion, ("prepare/advantage_abs_max",)),
     ("filtering", over_filtering, ("prepare/filter_rate",)),
     ("truncation", truncation, ("rollout/truncation_rate",)),
+    ("drift", policy_drift, ("learn/mismatch_k3",)),
 )
 """(code, rule, metrics it needs) in the checklist's order."""
 
