@@ -172,7 +172,9 @@ def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny
                   timeout=120)
     assert res.returncode == 1
     assert "stopped before its snapshot finished" in res.stderr
-    assert "start it again with `shardrl run CONFIG --run-id again --store " in res.stderr
+    # with the config the first runner resolved, its overrides included
+    saved = tmp_path / "stopped" / "runs" / "again" / "logs" / "config.yaml"
+    assert f"start it again with `shardrl run {saved} --run-id again --store " in res.stderr
 
 
 def test_a_run_stopped_before_its_snapshot_starts_again_under_its_id(tmp_path, tiny_config):
@@ -256,3 +258,27 @@ def test_a_second_runner_on_a_run_in_use_is_refused_before_it_writes(tmp_path, t
                               store=store_path)
     lr = prepare_run(args)
     assert store.get_json(started_key(keys))["pid"] == os.getpid() and not lr.new
+
+
+def test_ctrl_c_during_the_snapshot_says_how_to_start_the_same_run_again(tmp_path, tiny_config):
+    """Nothing can be resumed before run.json: the hint starts the run again under its id from
+    the config it resolved (overrides included), and that command completes it."""
+    store_path = str(tmp_path / "store")
+    # an SFT long enough (patience as long as its epochs) to be stopped in
+    proc, out = start_runner(tmp_path, run_args(tiny_config, store_path, "early",
+                                                "learner.total_steps=12",
+                                                "model.sft.max_epochs=2000",
+                                                "model.sft.patience=1000"), "first")
+    snapshot_log = tmp_path / "store" / "runs" / "early" / "logs" / "snapshot.log"
+    wait_for(snapshot_log.exists, 120, "the snapshot to start")
+    os.kill(proc.pid, signal.SIGINT)
+    text = finish(proc, out)
+    assert proc.returncode == 130, text[-3000:]
+    hint = re.search(r"start it again with `shardrl (run \S+ --run-id early --store \S+)`", text)
+    assert hint, text[-3000:]
+    assert hint.group(1).split()[1].endswith("runs/early/logs/config.yaml")
+    assert "max_epochs: 2000" in Path(hint.group(1).split()[1]).read_text()
+    res = run_cli([*hint.group(1).split(), "--no-progress", "--set", "model.sft.max_epochs=2",
+                   "--set", "model.sft.patience=1"], tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_completed(LocalStore(tmp_path / "store"), "early", 12)

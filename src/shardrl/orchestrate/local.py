@@ -220,11 +220,12 @@ def prepare_run(args) -> LocalRun:
         if not store.exists(keys.run_json()):
             refuse_if_in_use(store, keys, store_uri)  # a run still in its snapshot
             if store.exists(started_key(keys)):
+                saved = run_log_dir(store_uri, run_id) / "config.yaml"
                 raise SystemExit(
                     f"--resume {run_id}: the run stopped before its snapshot finished (no "
                     f"run.json under {store_uri}/{keys.root}); start it again with `shardrl run "
-                    f"CONFIG --run-id {run_id}" + (f" --store {args.store}" if args.store else "")
-                    + "`")
+                    f"{saved if saved.exists() else 'CONFIG'} --run-id {run_id}"
+                    + (f" --store {args.store}" if args.store else "") + "`")
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
         cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
         store = open_store(store_uri, retry_policy(cfg))
@@ -249,13 +250,19 @@ def prepare_run(args) -> LocalRun:
     logs = keys.root + "logs/"  # a folder store's runner logs live under the run's root
     new = not args.resume and not any(not k.startswith(logs) for k in store.list(keys.root))
     claim(store, keys, store_uri)  # before anything of this runner's is written
-    log_dir = (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
-    if store_uri.startswith("file://"):
-        log_dir = Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
+    log_dir = run_log_dir(store_uri, run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path, new=new)
+
+
+def run_log_dir(store_uri: str, run_id: str) -> Path:
+    """Where the local runner keeps run `run_id`'s logs and resolved config: under the run's
+    root in a folder store, under `.shardrl/` of the working folder for S3."""
+    if store_uri.startswith("file://"):
+        return Path(store_uri[len("file://"):]) / "runs" / run_id / "logs"
+    return (Path(store_uri) if "://" not in store_uri else Path(".shardrl")) / "runs" / run_id / "logs"
 
 
 EXIT_INTERRUPTED = 130
@@ -326,8 +333,12 @@ def one_shot(lr: LocalRun, name: str) -> int:
     the runner ends with (1, the store-unavailable status, or EXIT_INTERRUPTED)."""
     code = lr.run_once(name)
     if code == EXIT_INTERRUPTED:
-        print(f"interrupted: {name} stopped (state is kept; resume with {resume_hint(lr)})",
-              file=sys.stderr)
+        if lr.store.exists(lr.keys.run_json()):
+            print(f"interrupted: {name} stopped (state is kept; resume with {resume_hint(lr)})",
+                  file=sys.stderr)
+        else:  # nothing to resume from yet: the same run again, from its resolved config
+            print(f"interrupted: {name} stopped before the run existed; start it again with "
+                  f"{restart_hint(lr)}", file=sys.stderr)
         return code
     if code != 0:
         log = lr.log_dir / f"{name}.log"
@@ -510,6 +521,12 @@ def last_error(log: Path, tail_bytes: int = 16384) -> str:
 
 def resume_hint(lr: LocalRun) -> str:
     return f"`shardrl run --resume {lr.run_id} --store {lr.store_uri}`"
+
+
+def restart_hint(lr: LocalRun) -> str:
+    """The command that starts run `lr` again under its id with the config it resolved (its
+    `logs/config.yaml`: the overrides included)."""
+    return f"`shardrl run {lr.config_path} --run-id {lr.run_id} --store {lr.store_uri}`"
 
 
 def store_down(lr: LocalRun, monitor, exc: BaseException) -> int:
