@@ -253,6 +253,10 @@ def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch, capsys):
     assert cli_main(["pipeline", "run", "configs/demo.yaml", "--require-cluster"]) == 2
     assert calls == []
     assert "a cluster is required" in capsys.readouterr().err
+    # the synchronous pipeline has no local runner: refused, not run as the asynchronous one
+    assert cli_main(["pipeline", "run", "configs/demo.yaml", "--pipeline", "shardrl-sync"]) == 2
+    assert calls == []
+    assert "--pipeline shardrl-sync runs on a cluster only" in capsys.readouterr().err
 
 
 def test_make_pipeline_run_with_require_cluster_fails_without_kfp_host(tmp_path):

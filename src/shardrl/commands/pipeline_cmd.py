@@ -57,6 +57,11 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             print("KFP_HOST is not set and a cluster is required (REQUIRE_CLUSTER=1): "
                   "nothing was submitted", file=sys.stderr)
             return 2
+        if args.pipeline != "shardrl":  # the local runner runs the asynchronous pipeline only
+            print(f"KFP_HOST is not set: --pipeline {args.pipeline} runs on a cluster only (the "
+                  f"local runner runs the asynchronous pipeline, `--pipeline shardrl`); nothing "
+                  f"was run", file=sys.stderr)
+            return 2
         print("KFP_HOST is not set: running the pipeline locally with `shardrl run`, not on a "
               "cluster (set KFP_HOST to submit; REQUIRE_CLUSTER=1 fails instead)",
               file=sys.stderr, flush=True)

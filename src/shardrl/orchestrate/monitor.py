@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
@@ -123,7 +124,8 @@ class Monitor:
                 print(f"                  {promo['champion_kept']}")
         uri = redacted(tracking_uri(lr.cfg))
         print(f"MLflow            {uri}")
-        print(f"                  open the UI: .venv/bin/mlflow ui --backend-store-uri {uri}")
+        ui = Path(sys.executable).parent / "mlflow"  # the environment's own, from any folder
+        print(f"                  open the UI: {ui} ui --backend-store-uri {uri}")
         print(f"logs              {lr.log_dir}")
         if self.mlflow is not None:
             summary = {f"summary/{k}": float(v) for k, v in acc.as_dict().items()
