@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from .graph import STAGE_NAMES
 from .lifetime import die_with_launcher
+from .quiet import QUIET_LIBRARIES_ENV
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -178,6 +179,8 @@ _HANDLERS = {
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
+    for name, value in QUIET_LIBRARIES_ENV.items():  # before any library reads them
+        os.environ.setdefault(name, value)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "stage" and args.worker >= args.workers:  # it would wait for ever

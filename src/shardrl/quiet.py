@@ -15,9 +15,11 @@ QUIET_LIBRARIES_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TQDM_DISABLE": "1",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
 }
 """Environment that keeps transformers, huggingface_hub and tqdm from drawing progress bars
-and printing advisory warnings (a variable the user set is left as it is)."""
+and printing advisory warnings, and MLflow from logging its database set-up at INFO into a
+run's output (a variable the user set is left as it is)."""
 
 
 def quiet_libraries() -> None:

@@ -116,6 +116,9 @@ def test_resume_refuses_settings_it_would_ignore(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert ("--resume continues run r1 with the config it started with, so --set, --run-id "
             "would be ignored; drop them") in res.stderr
+    res = run_cli(["run", "demo", "--resume", "r1", "--store", str(tmp_path / "store")],
+                  tmp_path, timeout=60)
+    assert "--resume r1: the run keeps the config it started with; demo is not used" in res.stderr
 
 
 def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):
@@ -274,6 +277,7 @@ def test_ctrl_c_during_the_snapshot_says_how_to_start_the_same_run_again(tmp_pat
     os.kill(proc.pid, signal.SIGINT)
     text = finish(proc, out)
     assert proc.returncode == 130, text[-3000:]
+    assert "INFO mlflow" not in text  # MLflow's database set-up stays out of the output
     hint = re.search(r"start it again with `shardrl (run \S+ --run-id early --store \S+)`", text)
     assert hint, text[-3000:]
     assert hint.group(1).split()[1].endswith("runs/early/logs/config.yaml")

@@ -215,6 +215,10 @@ def prepare_run(args) -> LocalRun:
                 f"under changed settings)")
         run_id = args.resume
         store_uri = args.store or (load_config(args.config).store.uri if args.config else "runs")
+        if args.config:
+            use = "is not used" if args.store else "only tells the store"
+            print(f"--resume {run_id}: the run keeps the config it started with; "
+                  f"{args.config} {use}", file=sys.stderr)
         store = open_store(store_uri)
         keys = RunKeys(run_id)
         if not store.exists(keys.run_json()):
