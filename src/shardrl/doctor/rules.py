@@ -7,8 +7,9 @@ standard errors of that difference (small batches make noisy series). Rules othe
 collapse rule look at finite values only; non-finite values are the collapse rule's evidence.
 
   A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below or
-                      above its mean before, KL above its limit (kl_mean > kl_mean_high or kl_sum >
-                      kl_high) and its past, and staying above the limit over the next w steps (judged once they are there)
+                      above its mean before, KL above its limit (kl_mean > kl_mean_high or
+                      kl_sum > kl_high) and its past, and staying above the limit over the next
+                      w steps (judged once they are there)
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
@@ -93,8 +94,8 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
     sharply.
 
     Step i qualifies when, at i, clip_frac > clip_frac_high, entropy is entropy_drop below or
-    above its mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above the limit
-    and above its median before i, with its median over [i, i+w) staying above the limit.
+    above its mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above
+    the limit and above its median before i, with its median over [i, i+w) staying above it.
     A blow-up can take a single step, and what follows it varies (a policy gone deterministic,
     its entropy falling, or one emitting high-entropy garbage, its entropy rising), so the
     signals are read at the step itself and entropy may move either way.

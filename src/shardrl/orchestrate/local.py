@@ -308,8 +308,8 @@ def claim(store: Store, keys: RunKeys, store_uri: str) -> None:
 def refuse_if_in_use(store: Store, keys: RunKeys, store_uri: str) -> None:
     """Exit with a one-line error when a live runner on this machine holds the run's mark."""
     try:
-        other = store.get_json(started_key(keys)) if store.exists(started_key(keys)) else {}
-    except StoreError:
+        other = store.get_json(started_key(keys))
+    except StoreError:  # none (NotFound), or unreadable: no runner to refuse for
         other = {}
     pid = other.get("pid")
     if (other.get("host") == socket.gethostname() and isinstance(pid, int)

@@ -170,17 +170,20 @@ class S3Store(Store):
         return f"S3Store({self.uri!r}, endpoint={self.endpoint!r})"
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        name = self._single_put(key, data)
+        self._call("put", key, lambda: self._put_whole(name, data))
+
+    def _single_put(self, key: str, data: bytes) -> str:
+        """The object name of `key`, checked, for `data` sent in one PUT."""
         name = self.prefix + check_key(key)
         if len(data) > MAX_PART_SIZE:
             raise StoreError(f"{key!r} is {len(data)} bytes: a single PUT takes at most 5 GiB")
+        return name
+
+    def _put_whole(self, name: str, data: bytes) -> None:
         # A part size of at least the object's length makes the SDK send one PUT.
-        part_size = max(len(data), MIN_PART_SIZE)
-        self._call(
-            "put", key,
-            lambda: self._client.put_object(
-                self.bucket, name, io.BytesIO(data), len(data), part_size=part_size
-            ),
-        )
+        self._client.put_object(self.bucket, name, io.BytesIO(data), len(data),
+                                part_size=max(len(data), MIN_PART_SIZE))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """A conditional PUT (`If-None-Match: *`): S3, MinIO and SeaweedFS refuse it (412)
@@ -190,9 +193,7 @@ class S3Store(Store):
         after a lost response reads the first attempt's object as there already: False."""
         if self.exists(key):
             return False
-        name = self.prefix + check_key(key)
-        if len(data) > MAX_PART_SIZE:
-            raise StoreError(f"{key!r} is {len(data)} bytes: a single PUT takes at most 5 GiB")
+        name = self._single_put(key, data)
         headers = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
 
         def create() -> bool:
@@ -205,8 +206,7 @@ class S3Store(Store):
                     return False
                 if e.code != "NotImplemented":
                     raise
-                self._client.put_object(self.bucket, name, io.BytesIO(data), len(data),
-                                        part_size=max(len(data), MIN_PART_SIZE))
+                self._put_whole(name, data)
             return True
 
         return self._call("create", key, create)
