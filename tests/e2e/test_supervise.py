@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardrl.orchestrate.local import restart_delay
+from shardrl.stages import EXIT_RUN_ABORTED
 from shardrl.store import RunKeys, open_store
 from shardrl.store.records import Aborted
 
@@ -54,8 +55,10 @@ def test_supervisor_restarts_then_aborts_and_every_looping_stage_stops(tmp_path)
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("evaluate", "rollout", "learn")}  # noqa: SIM115
     supervisor = subprocess.Popen(stage_cmd(config, store, "sv", "evaluate", "--supervise"),
                                   env=env, stdout=logs["evaluate"], stderr=subprocess.STDOUT)
-    others = {n: subprocess.Popen(stage_cmd(config, store, "sv", n), env=env, stdout=logs[n],
-                                  stderr=subprocess.STDOUT) for n in ("rollout", "learn")}
+    # the learner supervised too, as in a cluster; the rollout worker bare
+    others = {n: subprocess.Popen(stage_cmd(config, store, "sv", n, *extra), env=env,
+                                  stdout=logs[n], stderr=subprocess.STDOUT)
+              for n, extra in (("rollout", ()), ("learn", ("--supervise",)))}
     try:
         first = wait_for(lambda: children("sv", "evaluate"), 120, "the evaluate stage")[0]
         os.kill(first, signal.SIGKILL)  # a crash: the supervisor restarts it after 1 s
@@ -72,12 +75,22 @@ def test_supervisor_restarts_then_aborts_and_every_looping_stage_stops(tmp_path)
         assert marker is not None
         assert (marker.stage, marker.worker, marker.exit_code, marker.restarts) == \
             ("evaluate", 0, 137, 1)
-        # every other looping stage sees the marker and stops by itself, well within a minute
+        # every other looping stage sees the marker and stops by itself, well within a minute;
+        # a supervised one's task then fails with the run, so nothing after the loop runs
         aborted_at = time.monotonic()
         for name, proc in others.items():
-            assert proc.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+            expected = EXIT_RUN_ABORTED if name == "learn" else 0
+            assert proc.wait(timeout=60) == expected, \
+                (tmp_path / f"{name}.log").read_text()[-3000:]
         assert time.monotonic() - aborted_at < 60
-        assert "run aborted: evaluate failed for good" in (tmp_path / "learn.log").read_text()
+        learn_log = (tmp_path / "learn.log").read_text()
+        assert "run aborted: evaluate failed for good" in learn_log
+        assert "learn stopped: the run was aborted (evaluate failed for good" in learn_log
+        # the cluster's retry of a failed task fails at once, without starting its stage
+        retry = subprocess.run(stage_cmd(config, store, "sv", "rollout", "--supervise"), env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert retry.returncode == EXIT_RUN_ABORTED, retry.stderr[-3000:]
+        assert "rollout not started" in retry.stdout + retry.stderr
         # and the other stages' when they ended
         assert not (tmp_path / "cache" / "sv").exists(), list((tmp_path / "cache").rglob("*"))
         assert not open_store(str(store)).exists(RunKeys("sv").done())

@@ -23,19 +23,23 @@ promote: {model_name: promo-test, margin: 0.02}
 
 
 def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path,
-           env: dict[str, str] | None = None) -> None:
-    """Run stage `name`; MLflow at the config's `tracking.uri` unless `env` says otherwise
-    (an MLFLOW_TRACKING_URI left in this process's environment by an in-process run of
-    another test's stages would win over the config)."""
+           env: dict[str, str] | None = None, status: int = 0) -> str:
+    """Run stage `name`, which must exit with `status`; its output. MLflow at the config's
+    `tracking.uri` unless `env` says otherwise (an MLFLOW_TRACKING_URI left in this process's
+    environment by an in-process run of another test's stages would win over the config)."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     res = subprocess.run([sys.executable, "-m", "shardrl.cli", "stage", name, "--config", str(cfg),
                           "--run-id", run_id, "--store", str(store)], cwd=cwd,
                          capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == status, res.stderr[-3000:]
+    return res.stdout + res.stderr
 
 
 def _fake_evals(store: Path, run_id: str, values: dict[int, float]) -> None:
+    """Evaluation summaries of `values` (version: pass@1), and the learner's DONE.json."""
+    (store / "runs" / run_id / "DONE.json").write_text(json.dumps(
+        {"steps": max(values), "counts": {}, "time": 0.0, "staleness": {}, "converged": False}))
     d = store / "runs" / run_id / "eval"
     d.mkdir(parents=True, exist_ok=True)
     policy = store / "runs" / run_id / "policy"
@@ -178,6 +182,29 @@ def test_a_retried_promote_reuses_its_version(registry):
     run_c = [v for v in c.search_model_versions("name = 'promo-test'")
              if v.tags["shardrl.run_id"] == "run-c"]
     assert len(run_c) == 1
+
+
+def test_an_unfinished_or_aborted_run_is_not_promoted(registry):
+    """A run whose learner never finished, or which a stage aborted, registers nothing: the
+    stage fails with a reason (in a cluster, promote runs once the looping tasks end, and they
+    end on the abort marker too)."""
+    from shardrl.stages import EXIT_RUN_ABORTED
+
+    tmp, cfg, store = registry
+    c = _client(tmp)
+    before = sorted(int(v.version) for v in c.search_model_versions("name = 'promo-test'"))
+    shutil.copytree(store / "runs" / "base", store / "runs" / "run-x")
+    _fake_evals(store, "run-x", {0: 0.1, 5: 0.9})
+    (store / "runs" / "run-x" / "DONE.json").unlink()
+    out = _stage("promote", cfg, store, "run-x", tmp, status=1)
+    assert "the learner has not finished this run" in out, out[-2000:]
+    (store / "runs" / "run-x" / "ABORTED.json").write_text(json.dumps(
+        {"stage": "rollout", "worker": 1, "exit_code": 1, "restarts": 3, "reason": "out of "
+         "restarts", "time": 0.0}))
+    out = _stage("promote", cfg, store, "run-x", tmp, status=EXIT_RUN_ABORTED)
+    assert "the run was aborted (rollout worker 1 failed for good" in out, out[-2000:]
+    assert not (store / "runs" / "run-x" / "state" / "promote").exists()
+    assert sorted(int(v.version) for v in c.search_model_versions("name = 'promo-test'")) == before
 
 
 def test_a_registry_error_is_not_read_as_no_champion():

@@ -12,6 +12,12 @@ the stage's status: every other looping stage sees the marker and stops, so no p
 work that will never come. A stage that gave up on the object store (status 75) is restarted
 only if the store answers again; a child that exits because the run was aborted or because the
 pod is being stopped (SIGTERM, forwarded to it) is not restarted.
+
+Once the run is aborted, every supervised task fails: a stage that stopped on the marker exits
+0 by itself, and its supervisor turns that into `EXIT_RUN_ABORTED`, so the cluster shows the
+run as failed and nothing after the loop (promote) runs on an unfinished run. A supervisor that
+starts on an aborted run (the cluster's retry of the failed task) exits the same way without
+starting its stage.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 
 from ..graph import entrypoint
 from ..lifetime import die_with_parent
-from ..stages import EXIT_STORE_UNAVAILABLE
+from ..stages import EXIT_RUN_ABORTED, EXIT_STORE_UNAVAILABLE
 from ..stages.context import load_stage_config, release_cache, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
@@ -62,18 +68,27 @@ def run(args) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    if (marker := Aborted.read(store, keys.aborted(), optional=True)) is not None:
+        log.error("the run was aborted (%s): %s not started; resume the run once the cause "
+                  "is fixed", marker.describe(), args.name)
+        return EXIT_RUN_ABORTED
     restarts = 0
     while True:
         started = time.monotonic()
         child = subprocess.Popen(command, preexec_fn=die_with_parent())
         code = child.wait()
         release_cache(args.run_id)  # the model files of a child killed before its end
-        if code == 0 or stopping.is_set():
+        if stopping.is_set():
             return exit_status(code)
         if (marker := Aborted.read(store, keys.aborted(), optional=True)) is not None:
+            if code == 0:  # it stopped on the marker: the task fails with the run
+                log.error("%s stopped: the run was aborted (%s)", args.name, marker.describe())
+                return EXIT_RUN_ABORTED
             log.error("%s exited with %d after the run was aborted (%s): not restarted",
                       args.name, code, marker.describe())
             return exit_status(code)
+        if code == 0:
+            return 0
         if code == EXIT_STORE_UNAVAILABLE:
             try:  # the stage waited the store's retry deadline: restart only if it is back
                 store.exists(keys.run_json())

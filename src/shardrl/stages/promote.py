@@ -7,8 +7,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..store.records import Aborted
 from ..tracking.mlflow_run import RUN_TAG, client, find_or_create_run
 from ..tracking.registry import POLICY_VERSION_TAG, find_version, log_policy
+from . import EXIT_RUN_ABORTED
 from .context import StageContext
 from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
@@ -23,6 +25,14 @@ def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
 
 def main(ctx: StageContext) -> int:
     cfg = ctx.cfg
+    if (marker := Aborted.read(ctx.store, ctx.keys.aborted(), optional=True)) is not None:
+        ctx.log.error("the run was aborted (%s): nothing promoted from an unfinished run; "
+                      "resume it once the cause is fixed", marker.describe())
+        return EXIT_RUN_ABORTED
+    if not ctx.store.exists(ctx.keys.done()):
+        ctx.log.error("the learner has not finished this run (no %s): nothing promoted from "
+                      "an unfinished run", ctx.keys.done())
+        return 1
     summaries = evaluated(ctx.store, ctx.keys)
     if not summaries:
         ctx.log.error("no evaluated version to promote: did the evaluate stage run?")
