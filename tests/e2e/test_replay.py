@@ -94,6 +94,23 @@ def test_replay_verifies_bit_for_bit_with_the_recorded_threads(source, tmp_path,
                                                                           "policy_loss")
 
 
+def test_a_verify_with_nothing_left_to_compare_is_not_a_pass(source, tmp_path, monkeypatch,
+                                                             capsys):
+    """Retention deleted every version the replay makes: nothing was shown equal, and a CI
+    check reading the exit status must not take it for a pass."""
+    from shardrl.commands.replay_cmd import EXIT_UNVERIFIED
+
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    root = copy_of(source, tmp_path)
+    store, keys = LocalStore(root), RunKeys(RUN)
+    for version in published(store, RUN):
+        for key in store.list(keys.policy_prefix(version)):
+            store.delete(key)
+    assert replay(root, "--verify", "--run-id", "none-left") == EXIT_UNVERIFIED
+    out = capsys.readouterr().out
+    assert "verify: NOT VERIFIED" in out and "bit-for-bit equal" not in out
+
+
 def corrupt(store: LocalStore, keys: RunKeys, version: int) -> str:
     """Add 1 to one element of one tensor published for `version`, in each of its weight
     files (the full weights, or the delta of new values, or both), as if the learner had

@@ -317,6 +317,9 @@ def test_config_asks_for_an_environment():
         RunConfig.model_validate({"rollout": {"max_turns": 2}})
     with pytest.raises((ConfigError, ValueError), match="task.environment: guess"):
         RunConfig.model_validate({"task": {"source": {"kind": "builtin", "name": "guess"}}})
+    # the overlong penalty counts one turn's limit against the whole episode: refused
+    with pytest.raises(ConfigError, match="`reward.overlong` measures a response against"):
+        load_config("calculator", ["reward.overlong={buffer_tokens: 4}"])
 
 
 def test_the_splits_hold_enough_distinct_prompts():

@@ -51,6 +51,19 @@ def big(response, answer):
 def huge(response, answer):
     return "x" * 5_000_000
 
+def run_program(response, answer):
+    import subprocess
+    return float(subprocess.run(["true"]).returncode)
+
+def signal_parent(response, answer):
+    import signal
+    os.kill(os.getppid(), signal.SIGTERM)
+    return 1.0
+
+def signal_self(response, answer):
+    os.kill(os.getpid(), 0)  # a probe of its own process: allowed
+    return 1.0
+
 def surroundings():
     return {"env": sorted(os.environ), "cwd": os.getcwd(), "stdin": sys.stdin.read()}
 """
@@ -145,6 +158,27 @@ def test_a_sandboxed_verifier_module_is_not_imported_here(tmp_path, monkeypatch)
         get_verifier("no_such_reward:score", sandboxed=True, limits=LIMITS)
 
 
+def test_a_sandboxed_verifier_package_is_not_imported_here_either(tmp_path, monkeypatch):
+    """`pkg.mod:fn`: finding `pkg.mod` must not run `pkg/__init__.py` in the scorer, where the
+    credentials are."""
+    marker = tmp_path / "ran-in"
+    package = tmp_path / "untrusted_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n")
+    (package / "rules.py").write_text("def score(response, answer):\n"
+                                      "    return 1.0 if response == answer else 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_verifier("untrusted_pkg.rules:score", sandboxed=True, limits=LIMITS)
+    assert not marker.exists()
+    assert run_verifier(fn, "a", "a") == (1.0, None)
+    assert str(os.getpid()) not in marker.read_text().split()  # it ran in the child only
+    for missing in ("untrusted_pkg.nothing:score", "untrusted_pkg.rules.deeper:score"):
+        with pytest.raises(Exception, match="cannot load verifier"):
+            get_verifier(missing, sandboxed=True, limits=LIMITS)
+    assert not marker.exists() or str(os.getpid()) not in marker.read_text().split()
+
+
 def test_python_exec_compares_stdout_and_stays_sandboxed():
     python_exec = get_verifier("python_exec", limits=LIMITS)
     response = "Here is the code:\n```python\nprint(sum(range(10)))\n```\nDone."
@@ -196,3 +230,54 @@ def test_open_files_are_limited_and_configurable():
     cfg = load_config("demo", ["reward.sandbox.open_files=64", "reward.sandbox.output_bytes=4096"])
     spec = spec_from_config(cfg)
     assert (spec.sandbox.open_files, spec.sandbox.output_bytes) == (64, 4096)
+
+
+@pytest.mark.parametrize(("code", "refused"), [
+    ("import os\nwhile True:\n    os.fork()", "os.fork"),
+    ("import os\nos.system('true')", "os.system"),
+    ("import os\nos.execv('/bin/sh', ['sh', '-c', 'true'])", "os.exec"),
+    ("import os\nos.posix_spawn('/bin/true', ['true'], {})", "os.posix_spawn"),
+    ("import subprocess\nsubprocess.run(['true'])", "import _posixsubprocess"),
+    ("import ctypes\nctypes.CDLL(None).fork()", "import _ctypes"),
+])
+def test_a_snippet_cannot_start_processes_or_load_native_code(code, refused):
+    """The limits hold per process: a fork bomb, or 64 children of 480 MB each, must not
+    get past them, so the child may start no process (nor call native code that would)."""
+    result = run_python_snippet(code, LIMITS)
+    assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"
+
+
+def test_a_sandboxed_verifier_cannot_start_processes_or_signal_others(reward_module):
+    parent_alive = os.getpid()
+    assert run_verifier(sandboxed_verifier(f"{reward_module}:run_program", LIMITS), "", "") == (
+        0.0, "crashed: PermissionError: not allowed in the sandbox: subprocess.Popen")
+    assert run_verifier(sandboxed_verifier(f"{reward_module}:signal_parent", LIMITS), "", "") \
+        == (0.0, "crashed: PermissionError: not allowed in the sandbox: os.kill")
+    assert os.getpid() == parent_alive  # still here: the SIGTERM was never sent
+    assert run_verifier(sandboxed_verifier(f"{reward_module}:signal_self", LIMITS), "", "") == (
+        1.0, None)
+
+
+def test_a_child_that_closes_its_result_pipe_does_not_make_the_parent_spin():
+    """A closed pipe stays readable: watched still, the parent would spin for the whole
+    wall-clock limit."""
+    limits = SandboxLimits(cpu_seconds=1, memory_mb=256, wall_seconds=2)
+    cpu = time.process_time()
+    result = run_python_snippet("import os, sys, time\nos.close(int(sys.argv[2]))\n"
+                                "time.sleep(30)", limits)
+    assert result.error == "timeout"
+    assert time.process_time() - cpu < 0.5  # spinning would be about 2 s of CPU
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_an_exception(monkeypatch):
+    """Out of processes or disk, the call fails like any sandboxed failure (a tool turn of an
+    episode gets it as its reply) instead of raising into the rollout."""
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    result = run_python_snippet("print(1)", LIMITS)
+    assert result.error == ("crashed: the sandbox did not start: [Errno 11] Resource "
+                            "temporarily unavailable")

@@ -13,6 +13,9 @@ import time
 
 EXIT_DIFFERENT = 3
 """Exit status of `--verify` when the replay's weights differ from the run's."""
+EXIT_UNVERIFIED = 4
+"""Exit status of `--verify` when the run kept no version to compare (retention deleted them):
+nothing was shown equal."""
 
 
 def spans(versions: list[int]) -> str:
@@ -85,9 +88,14 @@ def run(args) -> int:
         diff = "" if d.max_abs_diff is None else f", max |diff| {d.max_abs_diff:.3g}"
         print(f"verify: DIFFERENT at step {d.version} (policy v{d.version}): tensor {d.tensor} "
               f"({d.elements} elements differ{diff})")
-    if check.ok:
-        print(f"verify: bit-for-bit equal ({len(check.checked)} versions)")
-    return 0 if check.ok else EXIT_DIFFERENT
+    if not check.ok:
+        return EXIT_DIFFERENT
+    if not check.checked:
+        print("verify: NOT VERIFIED: the run kept none of the replayed versions to compare "
+              "with (retention deleted them)")
+        return EXIT_UNVERIFIED
+    print(f"verify: bit-for-bit equal ({len(check.checked)} versions)")
+    return 0
 
 
 def as_recorded(config: dict) -> dict:

@@ -123,6 +123,12 @@ class RunConfig(Section):
                 f"`rollout.max_turns` is {self.rollout.max_turns} but there is no environment "
                 "to answer the turns: set `task.environment` (e.g. calculator) or "
                 "`rollout.max_turns: 1`")
+        if self.reward.overlong is not None and self.task.environment is not None:
+            errors.append(
+                "`reward.overlong` measures a response against `rollout.max_new_tokens`, one "
+                "turn's limit, but an episode's response holds every turn and the environment's "
+                "replies: it would penalise using the environment. Remove `reward.overlong` or "
+                "`task.environment`")
         if self.rollout.postprocess == "inline" and (reason := self.inline_blocker()):
             errors.append(f"`rollout.postprocess: inline` {reason}: set "
                           "`rollout.postprocess: stages` (or auto)")

@@ -11,10 +11,16 @@ result comes back as JSON over a private pipe, read as it comes (at most `output
 Failures never raise here: they come back as an error string, "timeout", "memory" or
 "crashed: ...".
 
+Since those limits hold per process, the child may not start another one: an audit hook,
+installed before the untrusted code runs, refuses fork, exec, spawn, `os.system`,
+`subprocess` and signals to other processes (a sandboxed verifier that must run a program
+runs unsandboxed, under limits of its own). A snippet (`run_python_snippet`, model output)
+may not load native code either (`ctypes`, `_posixsubprocess`). This is a guard inside the
+interpreter, not a wall: native code the child can still reach may go around it.
+
 Not isolated: network and the file system, and the parent itself: the child runs as the
-same user, so it can read the parent's `/proc/<pid>/environ` (credentials included), signal
-it, and start processes in a session of their own that the group kill misses. A per-call
-user or namespaces (bubblewrap, nsjail) would close this. Code that a verifier executes in
+same user, so it can read the parent's `/proc/<pid>/environ` (credentials included) and the
+run's files. A per-call user or namespaces (bubblewrap, nsjail) would close this. Code that a verifier executes in
 its own process can forge that process's result; `run_python_snippet` avoids this by judging
 only the snippet's stdout in the parent.
 """
@@ -52,6 +58,20 @@ resource.setrlimit(resource.RLIMIT_AS, (req["memory_bytes"], req["memory_bytes"]
 resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_NOFILE, (req["open_files"], req["open_files"]))
+# the limits above hold per process: no new process, no exec, no signal to another process
+# (and for a snippet, no native calls and no raw fork_exec), so nothing outgrows them
+blocked = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
+           "subprocess.Popen"}
+if req["mode"] == "snippet":
+    blocked |= {"ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function"}
+own = os.getpid()
+def guard(event, args):
+    if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
+            event == "import" and req["mode"] == "snippet"
+            and args[0] in ("_posixsubprocess", "_ctypes")):
+        raise PermissionError("not allowed in the sandbox: " + event
+                              + (" " + str(args[0]) if event == "import" else ""))
+sys.addaudithook(guard)
 sys.path[:0] = req["sys_path"]
 try:
     if req["mode"] == "snippet":
@@ -115,9 +135,9 @@ def _parent_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
 
-def _read_available(fd: int, chunks: list[bytes]) -> int:
+def _read_available(fd: int, chunks: list[bytes]) -> int | None:
     """Append what the pipe holds now to `chunks` (never blocks on a stray writer); the
-    number of bytes read."""
+    number of bytes read, or None at the end of the pipe (every writer closed it)."""
     os.set_blocking(fd, False)
     read = 0
     try:
@@ -125,8 +145,8 @@ def _read_available(fd: int, chunks: list[bytes]) -> int:
             chunks.append(chunk)
             read += len(chunk)
     except BlockingIOError:
-        pass
-    return read
+        return read
+    return None if read == 0 else read
 
 
 def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
@@ -136,7 +156,7 @@ def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
     until the limit. (result bytes, None or "timeout" or the too-large error)."""
     deadline = time.monotonic() + wall_seconds
     chunks: list[bytes] = []
-    size = 0
+    size, open_pipe = 0, True
     try:
         exited = os.pidfd_open(proc.pid)
     except (AttributeError, OSError):  # no pidfd (before Linux 5.3): poll for the exit
@@ -146,17 +166,20 @@ def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
             left = deadline - time.monotonic()
             if left <= 0:
                 return b"".join(chunks), "timeout"
-            watched = [fd] if exited is None else [fd, exited]
+            # a pipe the child closed stays readable: watched no more, it would spin here
+            watched = ([fd] if open_pipe else []) + ([] if exited is None else [exited])
             ready, _, _ = select.select(watched, [], [], left if exited is not None
                                         else min(left, 0.01))
             if fd in ready:
-                size += _read_available(fd, chunks)
+                read = _read_available(fd, chunks)
+                open_pipe = read is not None
+                size += read or 0
                 if size > cap:
                     return b"", f"crashed: result over {cap} bytes"
     finally:
         if exited is not None:
             os.close(exited)
-    size += _read_available(fd, chunks)
+    size += _read_available(fd, chunks) or 0
     if size > cap:
         return b"", f"crashed: result over {cap} bytes"
     return b"".join(chunks), None
@@ -179,6 +202,13 @@ def _classify(returncode: int, message: dict | None, stderr: str, snippet: bool)
 
 
 def _run(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
+    try:
+        return _run_child(request, limits)
+    except OSError as exc:  # no process or scratch folder to be had (EAGAIN, ENOSPC, ...)
+        return SandboxResult(error=f"crashed: the sandbox did not start: {exc}"[:MAX_ERROR_CHARS])
+
+
+def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
     snippet = request["mode"] == "snippet"
     request = {
         **request,

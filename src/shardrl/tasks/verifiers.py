@@ -9,7 +9,7 @@ non-numeric value yields reward 0.0 and an error string, never an exception.
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib.machinery
 import math
 import numbers
 import re
@@ -226,14 +226,22 @@ def resolve_dotted(path: str) -> Verifier:
 
 def locate_dotted(path: str) -> str:
     """`path` (`package.module:function`) once its module is found on the import path,
-    without running the module (its parent packages are imported to look inside them)."""
+    without running any code of it: the packages on the way are looked into, not imported
+    (`import_module` or `find_spec` would run their `__init__` here, outside the sandbox)."""
     module_name, _ = _split_dotted(path)
-    try:
-        found = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        raise VerifierError(f"cannot load verifier {path!r}: {exc}") from exc
-    if found is None:
-        raise VerifierError(f"cannot load verifier {path!r}: no module named {module_name!r}")
+    parts = module_name.split(".")
+    where = None  # the import path, then each package's own folders
+    for i in range(len(parts)):
+        try:
+            found = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), where)
+        except (ImportError, ValueError) as exc:
+            raise VerifierError(f"cannot load verifier {path!r}: {exc}") from exc
+        if found is None:
+            raise VerifierError(f"cannot load verifier {path!r}: no module named "
+                                f"{module_name!r}")
+        where = found.submodule_search_locations
+        if where is None and i < len(parts) - 1:
+            raise VerifierError(f"cannot load verifier {path!r}: {parts[i]!r} is not a package")
     return path
 
 
