@@ -19,7 +19,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/shardrl
-RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl
+RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl \
+    && install -d -o 1000 -g 1000 /home/shardrl/.cache /home/shardrl/.cache/shardrl
+# ~/.cache made here, the user's: the tasks mount their cache volume at ~/.cache/shardrl,
+# and a missing parent of a mount point would be created as root, leaving the libraries
+# (vLLM's compile cache, torch extensions) no ~/.cache to write to
 # Layers from slowest- to fastest-changing: torch (CPU wheel), dependencies, the package.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml images/requirements.py /tmp/build/

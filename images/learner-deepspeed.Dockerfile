@@ -20,7 +20,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     DS_BUILD_OPS=0 \
     HOME=/home/shardrl
-RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl
+RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl \
+    && install -d -o 1000 -g 1000 /home/shardrl/.cache /home/shardrl/.cache/shardrl
+# ~/.cache made here, the user's: the tasks mount their cache volume at ~/.cache/shardrl,
+# and a missing parent of a mount point would be created as root, leaving the libraries
+# (vLLM's compile cache, torch extensions) no ~/.cache to write to
 # torch from PyPI (CUDA wheels) before DeepSpeed, whose setup reads the installed torch.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 COPY pyproject.toml images/requirements.py /tmp/build/

@@ -18,7 +18,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/shardrl
-RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl
+RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl \
+    && install -d -o 1000 -g 1000 /home/shardrl/.cache /home/shardrl/.cache/shardrl
+# ~/.cache made here, the user's: the tasks mount their cache volume at ~/.cache/shardrl,
+# and a missing parent of a mount point would be created as root, leaving the libraries
+# (vLLM's compile cache, torch extensions) no ~/.cache to write to
 # A C compiler: Triton builds its CUDA launcher stub with `cc` the first time vLLM loads a
 # model (and torch.compile's Inductor compiles with it); without one the engine fails to
 # start. The Python headers it includes ship with the python base image.

@@ -3,7 +3,9 @@
 Auth: `KFP_TOKEN`, else the service-account token file at `KF_PIPELINES_SA_TOKEN_PATH` (the
 path KFP mounts in pods), else none (a port-forwarded API). The pipeline is uploaded once by
 name; each distinct compiled package becomes a version named `<package version>-<hash>`, so
-submitting the same package twice reuses its version.
+submitting the same package twice reuses its version. An unreachable API, rejected
+credentials or an SDK error end in a `SubmitError` whose message is one line; a wait survives
+failed polls on a new client that reads the token again (a pod's token is rotated).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from shardrl import __version__
 
 DEFAULT_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 FINAL_STATES = ("SUCCEEDED", "FAILED", "SKIPPED", "CANCELED")
+POLL_S = 10.0
+"""Seconds between polls of a run waited for."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,90 @@ def ensure_version(client: Any, package: Path, pipeline: str, description: str) 
     return pipeline_id, version.pipeline_version_id
 
 
-def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 10.0) -> str:
-    """Poll the run until it reaches a final state; return that state."""
+class SubmitError(RuntimeError):
+    """The API could not be reached, refused the credentials or answered an error: the
+    message says which, in one line."""
+
+
+def check_api(host: str, token: str | None, timeout_s: float = 15.0) -> None:
+    """One request to the API's health endpoint, so that a wrong host, an API that is not
+    forwarded, rejected credentials or a login page in front of the API is said plainly
+    (the SDK retries its own check for 25 s and logs each failure's traceback)."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{host.rstrip('/')}/apis/v2beta1/healthz"
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body, kind = response.read(1 << 16), response.headers.get_content_type()
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise SubmitError(
+                f"the Kubeflow Pipelines API at {host} refused the credentials (HTTP {exc.code}):"
+                " set KFP_TOKEN, or KF_PIPELINES_SA_TOKEN_PATH to a valid token file") from None
+        raise SubmitError(f"the Kubeflow Pipelines API at {host} answered HTTP {exc.code} "
+                          f"{exc.reason} on {url}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SubmitError(f"cannot reach the Kubeflow Pipelines API at {host}: {reason} (is "
+                          "KFP_HOST right, and the API reachable or port-forwarded?)") from None
+    try:
+        json.loads(body)
+    except ValueError:
+        raise SubmitError(
+            f"{url} answered {kind}, not the Kubeflow Pipelines API's JSON (a login page in "
+            "front of the API? set KFP_TOKEN)") from None
+
+
+def api_error(exc: BaseException, host: str, doing: str) -> SubmitError | None:
+    """An `ApiException` of the SDK (or a connection error under it) as one line; None for
+    anything else."""
+    status = getattr(exc, "status", None)
+    if type(exc).__name__ == "ApiException":
+        if status in (401, 403):
+            return SubmitError(f"the Kubeflow Pipelines API at {host} refused the credentials "
+                               f"while {doing} (HTTP {status})")
+        if status:
+            return SubmitError(f"the Kubeflow Pipelines API at {host} answered HTTP {status} "
+                               f"{getattr(exc, 'reason', '')} while {doing}".rstrip())
+        return SubmitError(f"cannot reach the Kubeflow Pipelines API at {host} while {doing}: "
+                           f"{getattr(exc, 'reason', exc)}")
+    if isinstance(exc, OSError) or type(exc).__module__.startswith("urllib3"):
+        return SubmitError(f"cannot reach the Kubeflow Pipelines API at {host} while {doing}: "
+                           f"{exc}")
+    return None
+
+
+def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 10.0,
+                 reconnect: Callable[[], Any] | None = None, max_failures: int = 30,
+                 host: str = "the API", log: Callable[[str], None] = print) -> str:
+    """Poll the run until it reaches a final state; return that state.
+
+    A poll that fails (the API restarting, a network blip, a token rotated and expired in the
+    meantime) is retried on a new client from `reconnect` (which reads the token again), until
+    `max_failures` polls in a row have failed."""
     deadline = time.monotonic() + timeout_s
+    failures = 0
     while True:
-        state = str(client.get_run(run_id).state or "").upper()
+        try:
+            state = str(client.get_run(run_id).state or "").upper()
+            failures = 0
+        except Exception as exc:  # noqa: BLE001 - sorted by api_error; the rest raise
+            if api_error(exc, "", "") is None:
+                raise
+            failures += 1
+            if failures >= max_failures:
+                raise api_error(exc, host, f"waiting for run {run_id} ({failures} polls in "
+                                "a row failed)") from None
+            log(f"polling run {run_id} failed ({type(exc).__name__} "
+                f"{getattr(exc, 'status', '') or ''}); trying again in {poll_s:g} s "
+                f"({failures}/{max_failures})")
+            state = ""
+            if reconnect is not None:
+                client = reconnect()
         if state in FINAL_STATES:
             return state
         if time.monotonic() > deadline:
@@ -100,19 +183,32 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
     import kfp  # heavy: imported only when submitting
 
     namespace = env.get("KFP_NAMESPACE") or None
-    with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later"
-        warnings.simplefilter("ignore", FutureWarning)
-        client = kfp.Client(host=host, existing_token=kfp_token(env),
-                            namespace=namespace or "kubeflow")
-    client.get_kfp_healthz()
-    pipeline_id, version_id = ensure_version(client, package, pipeline, description)
-    exp = client.create_experiment(name=experiment, namespace=namespace)
-    run = client.run_pipeline(experiment_id=exp.experiment_id, job_name=run_name,
-                              params=params, pipeline_id=pipeline_id, version_id=version_id,
-                              service_account=service_account or None)
+
+    def connect():
+        with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later"
+            warnings.simplefilter("ignore", FutureWarning)
+            return kfp.Client(host=host, existing_token=kfp_token(env),
+                              namespace=namespace or "kubeflow")
+
+    check_api(host, kfp_token(env))
+    doing = "uploading the pipeline"
+    try:
+        client = connect()
+        pipeline_id, version_id = ensure_version(client, package, pipeline, description)
+        doing = "creating the run"
+        exp = client.create_experiment(name=experiment, namespace=namespace)
+        run = client.run_pipeline(experiment_id=exp.experiment_id, job_name=run_name,
+                                  params=params, pipeline_id=pipeline_id, version_id=version_id,
+                                  service_account=service_account or None)
+    except Exception as exc:  # noqa: BLE001 - the SDK's errors as one line; the rest raise
+        if (error := api_error(exc, host, doing)) is None:
+            raise
+        raise error from None
     ui = (env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/")
     url = f"{ui}/#/runs/details/{run.run_id}"
     state = None
     if wait_timeout_s is not None:
-        state = wait_for_run(client, run.run_id, timeout_s=wait_timeout_s)
+        print(f"run {run.run_id}: {url} (waiting for it to finish)", flush=True)
+        state = wait_for_run(client, run.run_id, timeout_s=wait_timeout_s, poll_s=POLL_S,
+                             reconnect=connect, host=host)
     return SubmitResult(pipeline_id, version_id, exp.experiment_id, run.run_id, url, state)

@@ -201,3 +201,20 @@ def test_stage_images_know_their_revision(name):
     assert ("ARG", 'SHARDRL_GIT_REVISION=""') in ops
     assert ("ENV", "SHARDRL_GIT_REVISION=${SHARDRL_GIT_REVISION}") in ops
 
+
+
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_stage_images_own_the_folders_above_the_cache_volume(name):
+    """The tasks mount their cache volume at `CACHE_DIR`; a folder above a mount point that
+    the image lacks is created as root, and the stage user (uid 1000) could then write
+    nothing else under ~/.cache (vLLM's compile cache, torch extensions)."""
+    from pipelines.shardrl import CACHE_DIR
+
+    ops = instructions(DOCKERFILES[name])
+    home = next(arg.split("HOME=")[1].split()[0] for op, arg in ops
+                if op == "ENV" and "HOME=" in arg)
+    made = [arg for op, arg in ops if op == "RUN" and "install -d -o 1000 -g 1000" in arg]
+    assert made, "no folder made for the stage user"
+    folders = made[0].split("install -d -o 1000 -g 1000", 1)[1].split("&&")[0].split()
+    parent = Path(CACHE_DIR).parent
+    assert Path(home) in parent.parents and str(parent) in folders and CACHE_DIR in folders

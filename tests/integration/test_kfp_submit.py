@@ -56,10 +56,23 @@ class FakeKfp:
     existing_pipeline: bool = False
     existing_version: str | None = None
     final_state: str = "SUCCEEDED"
+    token: str | None = None
+    """The only bearer token the API accepts (None: any, or none)."""
+    failing_polls: int = 0
+    """Polls of the run that fail with 503 before they answer."""
+    login_page: bool = False
+    """Every request gets an HTML page, as behind a login proxy."""
     requests: list[Request] = field(default_factory=list)
 
-    def answer(self, req: Request) -> tuple[int, dict]:
+    def answer(self, req: Request) -> tuple[int, dict | str]:
         route = (req.method, req.path)
+        if self.login_page:
+            return 200, "<html><body>Log in</body></html>"
+        if self.token is not None and req.headers.get("authorization") != f"Bearer {self.token}":
+            return 401, {"error": "Unauthenticated"}
+        if route == ("GET", f"{API}/runs/run-1") and self.failing_polls:
+            self.failing_polls -= 1
+            return 503, {"error": "unavailable"}
         if route == ("GET", f"{API}/healthz"):
             return 200, {"multi_user": False}
         if route == ("GET", f"{API}/pipelines"):
@@ -105,9 +118,10 @@ def _handler(state: FakeKfp) -> type[BaseHTTPRequestHandler]:
                           self.rfile.read(length))
             state.requests.append(req)
             status, payload = state.answer(req)
-            body = json.dumps(payload).encode()
+            html = isinstance(payload, str)
+            body = payload.encode() if html else json.dumps(payload).encode()
             self.send_response(status)
-            self.send_header("content-type", "application/json")
+            self.send_header("content-type", "text/html" if html else "application/json")
             self.send_header("content-length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -268,3 +282,62 @@ def test_make_pipeline_run_with_require_cluster_fails_without_kfp_host(tmp_path)
     assert proc.returncode != 0
     assert "KFP_HOST is not set and a cluster is required" in proc.stderr
     assert "running the pipeline locally" not in proc.stderr
+
+
+def test_an_unreachable_api_or_refused_credentials_are_one_line(kfp_api, monkeypatch, capsys):
+    """No traceback and no 25 s of the SDK's retries: what is wrong, in one line."""
+    import socket
+
+    host, state = kfp_api
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("KFP_TOKEN", "wrong")
+    for where, expected in ((closed, f"cannot reach the Kubeflow Pipelines API at {closed}"),
+                            (host, f"the Kubeflow Pipelines API at {host} refused the "
+                                   "credentials (HTTP 401)")):
+        state.token = "right"
+        monkeypatch.setenv("KFP_HOST", where)
+        assert cli_main(["pipeline", "run", "demo"]) == 1
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    state.login_page = True
+    assert cli_main(["pipeline", "run", "demo"]) == 1
+    err = capsys.readouterr().err
+    assert "answered text/html, not the Kubeflow Pipelines API's JSON" in err, err
+    assert ("POST", f"{API}/runs") not in state.paths()  # nothing was submitted
+
+
+def test_waiting_survives_failed_polls_and_a_rotated_token(kfp_api, tmp_path, monkeypatch,
+                                                          capsys):
+    """The API restarting (503s) and a service-account token rotated while the run goes on:
+    the wait polls again on a new client that reads the token file anew."""
+    import pipelines.submit as submit_module
+
+    host, state = kfp_api
+    token_file = tmp_path / "token"
+    token_file.write_text("first\n")
+    monkeypatch.delenv("KFP_TOKEN", raising=False)
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token_file))
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setattr(submit_module, "POLL_S", 0.01)
+    state.failing_polls = 2
+
+    polls = 0
+    answer = state.answer
+
+    def rotate(req):  # the token file changes after the run is created
+        nonlocal polls
+        if (req.method, req.path) == ("GET", f"{API}/runs/run-1"):
+            polls += 1
+            if polls == 2:
+                token_file.write_text("second\n")
+                state.token = "second"
+        return answer(req)
+
+    monkeypatch.setattr(state, "answer", rotate)
+    assert cli_main(["pipeline", "run", "demo", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert "finished: SUCCEEDED" in out and out.count("polling run run-1 failed") >= 2, out
+    last = [r for r in state.requests if r.path == f"{API}/runs/run-1"][-1]
+    assert last.headers["authorization"] == "Bearer second"

@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     from pipelines.cluster import DEFAULT_STORE, SERVICE_ACCOUNT
     from pipelines.shardrl import compile_pipelines, config_text
-    from pipelines.submit import submit
+    from pipelines.submit import SubmitError, submit
     from shardrl.config import load_config
 
     cfg = load_config(args.config)
@@ -83,15 +83,19 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         package = compile_pipelines(cfg, tmp, config_default=text, names=(args.pipeline,),
                                     registry=getattr(args, "image_registry", None),
                                     tag=getattr(args, "image_tag", None))
-        result = submit(
-            package[args.pipeline], host=host, pipeline=args.pipeline,
-            description=f"ShardRL pipeline '{args.pipeline}'", experiment=args.experiment,
-            run_name=f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-            params={"config": text, "store": store}, env=env,
-            service_account=env.get("KFP_SERVICE_ACCOUNT", SERVICE_ACCOUNT),
-            wait_timeout_s=WAIT_TIMEOUT_S if args.wait else None)
-    print(f"run {result.run_id}: {result.url}")
-    if result.state is None:
+        try:
+            result = submit(
+                package[args.pipeline], host=host, pipeline=args.pipeline,
+                description=f"ShardRL pipeline '{args.pipeline}'", experiment=args.experiment,
+                run_name=f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                params={"config": text, "store": store}, env=env,
+                service_account=env.get("KFP_SERVICE_ACCOUNT", SERVICE_ACCOUNT),
+                wait_timeout_s=WAIT_TIMEOUT_S if args.wait else None)
+        except SubmitError as exc:
+            print(f"shardrl pipeline run: {exc}", file=sys.stderr)
+            return 1
+    if result.state is None:  # (a run waited for was linked before the wait)
+        print(f"run {result.run_id}: {result.url}")
         return 0
     print(f"run {result.run_id} finished: {result.state}")
     return 0 if result.state == "SUCCEEDED" else 1
