@@ -97,6 +97,20 @@ def test_runner_cuts_at_max_turns_and_at_the_context():
     assert e.policy_mask[-2:] == [1, 1] and e.finish_reason == "length"
 
 
+def test_a_reply_that_would_fill_the_context_ends_the_episode_without_it():
+    """Appended, the reply would leave no room for a token (or outgrow the context): the
+    episode ends on the turn before it, and its row fits the context."""
+    prompt = enc(ITEM.prompt)
+    for room in (12, 13):  # turn 0 takes 10 tokens, its reply "= 2" 3: 13 leave no room
+        generate, calls = scripted({0: ["calc(1+1)"], 1: ["answer: 2"]})
+        (e,), = run_episodes(generate, Calculator, [ITEM], [prompt], 1, max_turns=3,
+                             max_new_tokens=12, seed=0, decode=dec, encode_observation=enc,
+                             context=len(prompt) + room)
+        assert e.token_ids == enc("calc(1+1)") + [EOS] and len(calls) == 1
+        assert (e.turn_rewards, e.finish_reason) == ([0.0], "length")
+        assert len(prompt) + len(e.token_ids) <= len(prompt) + room
+
+
 def test_an_episode_near_the_context_end_does_not_shorten_the_others():
     # episode 0 gets a long error reply and has 5 tokens of room left; episode 1 the full 12
     short, long = TaskItem("a", "1 eggs, 2 more. total?", "3", "add"), ITEM

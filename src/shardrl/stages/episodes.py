@@ -5,8 +5,9 @@ A turn is one generation of up to `rollout.max_new_tokens` tokens, batched over 
 episode still running; the turn's text (special tokens removed) goes to the environment's
 `step`, whose reply is appended after the turn's tokens in the task's prompt format
 (`PromptFormat.observation_text`) before the next turn. An episode ends when the environment
-says so, after `max_turns` turns, or when the model's context has no room for another token.
-Nothing follows the last turn: the reply that ends an episode carries no tokens.
+says so, after `max_turns` turns, or when the model's context has no room for the
+environment's reply and another token after it. Nothing follows the last turn: the reply
+that ends an episode carries no tokens, so a row never outgrows the context.
 
 An episode becomes one rollout row (`EpisodeSample`): its response is every turn's tokens and
 replies laid out by `tasks.environments.episode_tokens`, with the policy mask, the per-turn
@@ -113,6 +114,9 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
             result = e.env.step(decode(s.token_ids))
             last = result.done or t == max_turns - 1
             obs = [] if last else encode_observation(result.observation)
+            if obs and context is not None and (
+                    len(e.context) + len(s.token_ids) + len(obs) >= context):
+                last, obs = True, []  # no room for the reply and a token after it: ends here
             e.turns.append(Turn(list(s.token_ids), list(s.logprobs), obs, float(result.reward)))
             e.context += list(s.token_ids) + obs
             if last:
