@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardrl import __version__
+from shardrl.redact import has_userinfo, without_userinfo
 
 DEFAULT_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 FINAL_STATES = ("SUCCEEDED", "FAILED", "SKIPPED", "CANCELED")
@@ -92,6 +93,9 @@ def check_api(host: str, token: str | None, timeout_s: float = 15.0) -> None:
     import urllib.error
     import urllib.request
 
+    if has_userinfo(host):
+        raise SubmitError("KFP_HOST holds credentials (user:password@): give the address alone "
+                          "and the token in KFP_TOKEN")
     url = f"{host.rstrip('/')}/apis/v2beta1/healthz"
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     if token:
@@ -204,7 +208,7 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
         if (error := api_error(exc, host, doing)) is None:
             raise
         raise error from None
-    ui = (env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/")
+    ui = without_userinfo((env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/"))
     url = f"{ui}/#/runs/details/{run.run_id}"
     state = None
     if wait_timeout_s is not None:

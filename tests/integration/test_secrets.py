@@ -177,6 +177,62 @@ def test_credentials_written_into_a_url_reach_neither_params_nor_messages(monkey
     assert "hunter22" not in str(caught.value) and "holds credentials" in str(caught.value)
 
 
+def test_a_config_refuses_credentials_in_its_addresses():
+    """The config is copied into run.json, logs, pod command lines and the pipelines'
+    parameters: an address holding user:password@ is refused, without being echoed."""
+    from shardrl.config import ConfigError, load_config
+
+    for setting in ("tracking.uri=https://ci:hunter22@mlflow.example",
+                    "pipeline.ui_endpoint=https://u:hunter22@kubeflow.example"):
+        with pytest.raises(ConfigError) as caught:
+            load_config("demo", [setting])
+        assert "hunter22" not in str(caught.value) and "holds credentials" in str(caught.value)
+    assert load_config("demo", ["tracking.uri=https://mlflow.example"]).tracking.uri == \
+        "https://mlflow.example"
+
+
+def test_credentials_in_library_errors_are_masked_in_logs_and_messages(tmp_path):
+    """A library's error quoting an address with its credentials (MLflow's "API request to
+    https://user:token@host failed") is masked in stage logs, tracebacks included, and in
+    the runner's quote of a failed stage."""
+    import logging
+
+    from shardrl.orchestrate.local import last_error
+    from shardrl.redact import redacted, without_userinfo
+    from shardrl.stages.context import RedactingFormatter
+
+    assert redacted("https://bot:p@ss@host:5000/x?token=abc&page=2") == \
+        "https://***@host:5000/x?token=***&page=2"
+    assert without_userinfo("https://u:p@kubeflow.example/pipeline") == \
+        "https://kubeflow.example/pipeline"
+    try:
+        raise RuntimeError("API request to https://ci:hunter22@mlflow.example/api failed")
+    except RuntimeError:
+        import sys as _sys
+
+        record = logging.LogRecord("shardrl.promote", logging.ERROR, __file__, 1,
+                                   "registering failed at %s", ("https://ci:hunter22@m.example",),
+                                   _sys.exc_info())
+    text = RedactingFormatter("%(message)s").format(record)
+    assert "hunter22" not in text and "https://***@m.example" in text
+    assert "RuntimeError: API request to https://***@mlflow.example/api failed" in text
+    log = tmp_path / "promote.log"
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "MlflowException: API request to https://ci:hunter22@mlflow.example failed\n")
+    assert last_error(log) == ": MlflowException: API request to https://***@mlflow.example failed"
+
+
+def test_pipeline_run_refuses_a_kfp_host_with_credentials(monkeypatch, capsys):
+    from shardrl.cli import main as cli_main
+
+    monkeypatch.setenv("KFP_HOST", "https://u:hunter22@kubeflow.example")
+    monkeypatch.delenv("KF_PIPELINES_UI_ENDPOINT", raising=False)
+    assert cli_main(["pipeline", "run", "demo"]) == 1
+    captured = capsys.readouterr()
+    assert "KFP_HOST holds credentials" in captured.err
+    assert "hunter22" not in captured.err + captured.out
+
+
 def test_mlflow_params_carry_no_url_credentials(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

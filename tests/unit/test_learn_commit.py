@@ -88,3 +88,25 @@ def test_writer_skips_later_work_queued_behind_a_failed_commit():
         assert order == ["after"]
     finally:
         writer.close()
+
+
+def test_a_failed_commit_surfaces_while_the_learner_waits_for_data():
+    """The learner waiting for data polls `check`: a commit that failed in the background
+    (its child killed, the store gone) raises there, not only at the next step, which may
+    never come while the workers wait at their cap for that commit."""
+    writer, gate = Writer(), threading.Event()
+
+    def failing_commit():
+        gate.wait(5)
+        raise RuntimeError("the commit process died")
+
+    try:
+        writer.submit(failing_commit)
+        writer.check()  # still in flight: nothing to raise, and no wait
+        gate.set()
+        writer.pending[0].exception(timeout=5)
+        with pytest.raises(RuntimeError, match="the commit process died"):
+            writer.check()
+        writer.check()  # raised once: nothing left
+    finally:
+        writer.close()

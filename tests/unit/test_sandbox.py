@@ -281,3 +281,17 @@ def test_a_sandbox_that_cannot_start_is_an_error_not_an_exception(monkeypatch):
     result = run_python_snippet("print(1)", LIMITS)
     assert result.error == ("crashed: the sandbox did not start: [Errno 11] Resource "
                             "temporarily unavailable")
+
+
+def test_a_kill_under_the_cpu_limit_is_not_called_a_timeout():
+    """SIGKILL comes at the hard CPU limit, but also from the out-of-memory killer: the CPU the
+    child used tells them apart."""
+    result = run_python_snippet("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+                                LIMITS)
+    assert result.error.startswith("crashed: killed (SIGKILL) after "), result.error
+    assert "under its limit" in result.error
+    spin = run_python_snippet("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                              "while True:\n    pass", SandboxLimits(cpu_seconds=1,
+                                                                      memory_mb=256,
+                                                                      wall_seconds=6))
+    assert spin.error == "timeout"  # killed at the hard limit, a second past the soft one

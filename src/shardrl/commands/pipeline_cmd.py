@@ -72,10 +72,11 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from pipelines.shardrl import compile_pipelines, config_text
     from pipelines.submit import SubmitError, submit
     from shardrl.config import load_config
+    from shardrl.redact import redacted, without_userinfo
 
     cfg = load_config(args.config)
     if cfg.pipeline.ui_endpoint is None:  # the MLflow run links to the KFP run's page
-        ui = (env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/")
+        ui = without_userinfo((env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/"))
         cfg = load_config(args.config, [f"pipeline.ui_endpoint={ui}"])
     text = config_text(cfg)
     store = cfg.store.uri if cfg.store.uri.startswith("s3://") else DEFAULT_STORE
@@ -92,7 +93,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 service_account=env.get("KFP_SERVICE_ACCOUNT", SERVICE_ACCOUNT),
                 wait_timeout_s=WAIT_TIMEOUT_S if args.wait else None)
         except SubmitError as exc:
-            print(f"shardrl pipeline run: {exc}", file=sys.stderr)
+            print(f"shardrl pipeline run: {redacted(str(exc))}", file=sys.stderr)
             return 1
     if result.state is None:  # (a run waited for was linked before the wait)
         print(f"run {result.run_id}: {result.url}")

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, create_model, field_validator, model_validator
 
 from ..graph import LOOPING, STAGE_NAMES, stage
+from ..redact import has_userinfo
 from .base import Section
 
 
@@ -38,9 +39,21 @@ class TrackingConfig(Section):
     enabled: bool = True
     """Log to MLflow."""
     uri: str = Field("sqlite:///mlflow.db", min_length=1)
-    """Tracking URI; MLFLOW_TRACKING_URI in the environment wins."""
+    """Tracking URI; MLFLOW_TRACKING_URI in the environment wins. No credentials: the config
+    is copied into run.json, logs and the pipelines' parameters."""
     experiment: str = Field("shardrl", min_length=1)
     """Experiment name."""
+
+    @field_validator("uri")
+    @classmethod
+    def _no_credentials(cls, uri: str) -> str:
+        if has_userinfo(uri):  # the message must not repeat it
+            raise ValueError(
+                "the tracking URI holds credentials (user:password@), which would be copied "
+                "into run.json, logs and the pipelines' parameters: give the address alone and "
+                "the credentials in MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN), or a database URI in MLFLOW_TRACKING_URI")
+        return uri
 
 
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"
@@ -217,7 +230,16 @@ class PipelineConfig(Section):
     """Shared memory, GPU node placement, pull secrets and the cache volume of the pods."""
     ui_endpoint: str | None = None
     """Base URL of the Kubeflow Pipelines UI, for the MLflow run's link to its KFP run
-    (`shardrl pipeline run` fills it from KF_PIPELINES_UI_ENDPOINT or KFP_HOST)."""
+    (`shardrl pipeline run` fills it from KF_PIPELINES_UI_ENDPOINT or KFP_HOST, without
+    their credentials). No credentials."""
+
+    @field_validator("ui_endpoint")
+    @classmethod
+    def _link_without_credentials(cls, url: str | None) -> str | None:
+        if url is not None and has_userinfo(url):
+            raise ValueError("the UI address holds credentials (user:password@): a link "
+                             "needs none, give the address alone")
+        return url
 
 
 class DoctorConfig(Section):

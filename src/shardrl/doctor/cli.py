@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import RunConfig
+from ..redact import redacted
 from .findings import Finding, format_finding
 from .rules import diagnose, too_short, unassessed
 from .series import Metrics, load_mlflow_metrics, load_store_metrics, mlflow_config, open_run
@@ -79,7 +80,7 @@ def load_diagnosis(run: str, store_uri: str | None) -> Diagnosis | None:
         m = load_mlflow_metrics(c, run)
     except MlflowException:
         return None
-    return Diagnosis(run, c.tracking_uri, m, diagnose(m, cfg), cfg)
+    return Diagnosis(run, redacted(c.tracking_uri), m, diagnose(m, cfg), cfg)
 
 
 def run(args) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..redact import redacted
 from ..store import LocalStore, RunKeys, Store, read_columns, shards_by_name
 from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
@@ -152,7 +153,7 @@ def run(args) -> int:
         try:
             mlflow_run = log_to_mlflow(handle, out, findings)
         except Exception as exc:  # the report stands without MLflow; say why it is not there
-            print(f"report: not logged to MLflow: {exc}", file=sys.stderr)
+            print(f"report: not logged to MLflow: {redacted(str(exc))}", file=sys.stderr)
             return 1
         print(f"report: logged to MLflow run {mlflow_run} (artifacts report/)")
     return 0

@@ -20,6 +20,7 @@ import yaml
 from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent, running
+from ..redact import redacted
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages import channel as weights_channel
 from ..stages.context import release_cache, retry_policy
@@ -520,6 +521,7 @@ def last_error(log: Path, tail_bytes: int = 16384) -> str:
             found = line.strip()
     if not found:
         return ""
+    found = redacted(found)  # a library's error may quote an address with its credentials
     return ": " + (found if len(found) <= 300 else found[:297] + "...")
 
 

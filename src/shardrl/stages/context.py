@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from ..config import RunConfig, load_config, validate
 from ..config.loader import apply_override, resolve_mapping
 from ..lifetime import running
 from ..quiet import quiet_libraries
+from ..redact import redacted
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
 from ..store.records import Aborted, PolicyPointer
@@ -54,16 +56,25 @@ def retry_policy(cfg: RunConfig) -> RetryPolicy:
                        max_delay_s=r.max_delay_s, deadline_s=r.deadline_s)
 
 
+class RedactingFormatter(logging.Formatter):
+    """Log lines, tracebacks included, with credentials in URLs masked (`redact.redacted`):
+    a library's error may quote an address with `user:password@` in it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redacted(super().format(record))
+
+
 def setup_logging(stage: str, worker: int) -> logging.Logger:
     quiet_libraries()
     name = stage if worker == 0 else f"{stage}.{worker}"
-    logging.basicConfig(
-        level=os.environ.get("SHARDRL_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {name} %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter(f"%(asctime)s {name} %(levelname)s %(message)s",
+                                            datefmt="%H:%M:%S"))
+    logging.basicConfig(level=os.environ.get("SHARDRL_LOG_LEVEL", "INFO"), handlers=[handler],
+                        force=True)
+    # an uncaught exception's traceback too
+    sys.excepthook = lambda kind, value, tb: sys.stderr.write(
+        redacted("".join(traceback.format_exception(kind, value, tb))))
     return logging.getLogger(f"shardrl.{stage}")
 
 

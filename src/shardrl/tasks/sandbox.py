@@ -149,11 +149,25 @@ def _read_available(fd: int, chunks: list[bytes]) -> int | None:
     return None if read == 0 else read
 
 
+def _reap(proc: subprocess.Popen, cpu: list[float]) -> bool:
+    """Whether the child has exited; reaped here, with the CPU seconds it used appended to
+    `cpu` (what tells the hard CPU limit's SIGKILL from another one)."""
+    if proc.returncode is not None:
+        return True
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid == 0:
+        return False
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    cpu.append(usage.ru_utime + usage.ru_stime)
+    return True
+
+
 def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
-             cap: int) -> tuple[bytes, str | None]:
+             cap: int, cpu: list[float]) -> tuple[bytes, str | None]:
     """Read the result pipe while the child runs, until it exits, the wall-clock limit or
     `cap` bytes: a result larger than the pipe's buffer would otherwise block the child
-    until the limit. (result bytes, None or "timeout" or the too-large error)."""
+    until the limit. (result bytes, None or "timeout" or the too-large error); the child's
+    CPU seconds go to `cpu` if it exited."""
     deadline = time.monotonic() + wall_seconds
     chunks: list[bytes] = []
     size, open_pipe = 0, True
@@ -162,7 +176,7 @@ def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
     except (AttributeError, OSError):  # no pidfd (before Linux 5.3): poll for the exit
         exited = None
     try:
-        while proc.poll() is None:
+        while not _reap(proc, cpu):
             left = deadline - time.monotonic()
             if left <= 0:
                 return b"".join(chunks), "timeout"
@@ -185,13 +199,19 @@ def _collect(proc: subprocess.Popen, fd: int, wall_seconds: float,
     return b"".join(chunks), None
 
 
-def _classify(returncode: int, message: dict | None, stderr: str, snippet: bool) -> str | None:
-    """The error string for a finished child, or None if it succeeded."""
+def _classify(returncode: int, message: dict | None, stderr: str, snippet: bool,
+              cpu_s: float | None = None, cpu_limit: float = 0.0) -> str | None:
+    """The error string for a finished child, or None if it succeeded. `cpu_s`: the CPU
+    seconds it used, when known; `cpu_limit`: its CPU limit in seconds."""
     if message is not None:
         return message.get("error")
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        # SIGXCPU at the soft CPU limit, SIGKILL at the hard one (if SIGXCPU was ignored).
+    if returncode == -signal.SIGXCPU:  # the soft CPU limit
         return "timeout"
+    if returncode == -signal.SIGKILL:
+        if cpu_s is None or cpu_s >= cpu_limit:  # the hard CPU limit (SIGXCPU ignored)
+            return "timeout"
+        return (f"crashed: killed (SIGKILL) after {cpu_s:.2f} s of CPU, under its limit: the "
+                "system's out-of-memory killer, or another process")
     if returncode < 0:
         return f"crashed: signal {signal.Signals(-returncode).name}"
     if returncode == 0 and snippet:  # e.g. os._exit(0) after printing: a normal end
@@ -238,7 +258,8 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
                 )
             os.close(write_fd)
             write_fd = -1
-            raw, stopped = _collect(proc, read_fd, limits.wall_seconds, limits.output_bytes)
+            cpu: list[float] = []
+            raw, stopped = _collect(proc, read_fd, limits.wall_seconds, limits.output_bytes, cpu)
             try:  # the whole group: nothing the child started outlives the call
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -257,7 +278,8 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
         message = json.loads(raw) if raw else None
     except json.JSONDecodeError:
         message = {"error": "crashed: unreadable result"}
-    error = _classify(proc.returncode, message, stderr, snippet)
+    error = _classify(proc.returncode, message, stderr, snippet, cpu[0] if cpu else None,
+                      request["cpu_seconds"])
     if error is not None:
         return SandboxResult(stdout=text, error=error)
     return SandboxResult(value=message.get("value") if message else None, stdout=text)

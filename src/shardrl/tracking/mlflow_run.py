@@ -8,23 +8,16 @@ once, after the others stopped. Against an MLflow server any stage may write.
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..config import RunConfig
+from ..redact import redacted
 
 RUN_TAG = "shardrl.run_id"
 
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-
-
-def redacted(text: str) -> str:
-    """`text` with the user and password of every URL in it replaced by `***` (a tracking
-    URI written as https://user:token@host must reach neither logs nor MLflow params)."""
-    return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
 def tracking_uri(cfg: RunConfig) -> str:

@@ -171,6 +171,13 @@ class Writer:
 
         self.pending.append(self.pool.submit(after_them))
 
+    def check(self) -> None:
+        """Raise the error of a write that has failed, without waiting for one in flight: a
+        learner waiting for data polls this, since workers held at their cap by a commit that
+        never landed would leave it waiting for ever."""
+        if any(f.done() and f.exception() is not None for f in self.pending):
+            self.wait()
+
     def wait(self) -> None:
         """Wait for the writes in flight; the first error, if any, is raised here."""
         pending, self.pending = self.pending, []

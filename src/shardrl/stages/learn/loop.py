@@ -147,7 +147,14 @@ class Learner:
             if ckpt is not None:  # every rank loads its partition (a collective call)
                 name = f"{ranks.BACKEND_STATE}.safetensors"
                 backend.load_state_dict(st_load(store.get_bytes(keys.learner_file(ckpt, name))))
-            ctx.log.info("resumed at version %d (optimizer state from step %s)", self.version, ckpt)
+            ctx.log.info("resumed at version %d (optimizer state%s from step %s)", self.version,
+                         " and the critic" if critic is not None else "", ckpt)
+            if critic is not None and ckpt != self.version:  # the policy is the committed one
+                ctx.log.warning("the critic resumes from %s, older than the policy's version "
+                                "%d: checkpoint at every step (learner.ckpt_every: 1) for a "
+                                "critic that resumes where it stopped",
+                                f"the checkpoint of step {ckpt}" if ckpt is not None
+                                else "its start (no checkpoint yet)", self.version)
             self.restart = LearnerRestart(checkpoint=ckpt)
             if backend.rank == 0:
                 point_latest(store, keys, self.version, step=self.version)
@@ -222,6 +229,8 @@ class Learner:
             elif (ctx.once and ctx.done()) or ctx.aborted() is not None:
                 return 0
             else:
+                self.writer.check()  # a failed commit would hold the workers for good
+                self.taken_writer.check()
                 buffer.wait(lc.poll_interval_s)
         self.writer.wait()
         Done(steps=self.version, counts=dict(self.ledger.counts), time=time.time(),
