@@ -65,14 +65,17 @@ def _name_filter(name: str) -> str:
 def ensure_version(client: Any, package: Path, pipeline: str, description: str) -> tuple[str, str]:
     """(pipeline id, version id) of `package`, uploading the pipeline or a version if needed."""
     pipeline_id = client.get_pipeline_id(pipeline)
+    name = version_name(package)
     if pipeline_id is None:
+        # Uploading a new pipeline also makes a first version, named after the pipeline, which
+        # a later submission of this package could not find by name: the package goes up
+        # again as a version named `version_name`, which runs and is found next time.
         created = client.upload_pipeline(str(package), pipeline_name=pipeline,
                                          description=description)
-        # Uploading a new pipeline creates its first version from the same package.
-        versions = client.list_pipeline_versions(created.pipeline_id, page_size=1,
-                                                 sort_by="created_at desc")
-        return created.pipeline_id, versions.pipeline_versions[0].pipeline_version_id
-    name = version_name(package)
+        version = client.upload_pipeline_version(str(package), name,
+                                                 pipeline_id=created.pipeline_id,
+                                                 description=description)
+        return created.pipeline_id, version.pipeline_version_id
     found = client.list_pipeline_versions(pipeline_id, page_size=1, filter=_name_filter(name))
     if found.pipeline_versions:
         return pipeline_id, found.pipeline_versions[0].pipeline_version_id

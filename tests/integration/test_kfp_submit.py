@@ -148,6 +148,16 @@ def kfp_api() -> Iterator[tuple[str, FakeKfp]]:
         thread.join(timeout=5)
 
 
+def version_name_of(upload: Request) -> str:
+    """The version name the uploaded package's bytes give."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        package = Path(folder) / "p.yaml"
+        package.write_bytes(upload.uploaded_file())
+        return version_name(package)
+
+
 def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     host, state = kfp_api
     env = {**os.environ, "KFP_HOST": host, "KFP_TOKEN": "t0ken", "HOME": str(tmp_path)}
@@ -160,11 +170,11 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    # Health check, pipeline lookup, upload, first version, experiment, run, polling.
+    # Health check, pipeline lookup, upload, its named version, experiment, run, polling.
     assert state.paths() == [
         ("GET", f"{API}/healthz"), ("GET", f"{API}/healthz"),
         ("GET", f"{API}/pipelines"), ("POST", f"{API}/pipelines/upload"),
-        ("GET", f"{API}/pipelines/pl-1/versions"),
+        ("POST", f"{API}/pipelines/upload_version"),
         ("GET", f"{API}/experiments"), ("POST", f"{API}/experiments"),
         ("POST", f"{API}/runs"), ("GET", f"{API}/runs/run-1"),
     ]
@@ -183,10 +193,13 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     expected_config = config_text(load_config(ROOT / "configs/demo.yaml",
                                               [f"pipeline.ui_endpoint={host}"]))
     assert state.one("POST", f"{API}/experiments").json()["display_name"] == "shardrl"
+    # the run uses the version named after the package, so resubmitting it finds that one
+    named = state.one("POST", f"{API}/pipelines/upload_version")
+    assert named.query["name"] == [version_name_of(named)]
     run = state.one("POST", f"{API}/runs").json()
     assert run["experiment_id"] == "exp-1"
     assert run["pipeline_version_reference"] == {"pipeline_id": "pl-1",
-                                                 "pipeline_version_id": "pv-1"}
+                                                 "pipeline_version_id": "pv-2"}
     assert run["runtime_config"]["parameters"] == {"config": expected_config,
                                                    "store": DEFAULT_STORE}
     assert run["service_account"] == SERVICE_ACCOUNT
