@@ -159,12 +159,13 @@ def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 
             state = str(client.get_run(run_id).state or "").upper()
             failures = 0
         except Exception as exc:  # noqa: BLE001 - sorted by api_error; the rest raise
-            if api_error(exc, "", "") is None:
-                raise
             failures += 1
+            error = api_error(exc, host, f"waiting for run {run_id} ({failures} polls in a "
+                              "row failed)")
+            if error is None:
+                raise
             if failures >= max_failures:
-                raise api_error(exc, host, f"waiting for run {run_id} ({failures} polls in "
-                                "a row failed)") from None
+                raise error from None
             log(f"polling run {run_id} failed ({type(exc).__name__} "
                 f"{getattr(exc, 'status', '') or ''}); trying again in {poll_s:g} s "
                 f"({failures}/{max_failures})")

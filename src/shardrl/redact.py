@@ -9,7 +9,6 @@ writes down (configs, run.json, logs, MLflow params and tags, messages) gets the
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 """A URL's `user:password@`, up to its last `@` before the path (a password may hold `@`)."""
@@ -31,7 +30,4 @@ def has_userinfo(url: str) -> bool:
 
 def without_userinfo(url: str) -> str:
     """`url` without its `user:password@` (a link needs no credentials)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return _USERINFO.sub(r"\g<scheme>", url, count=1)

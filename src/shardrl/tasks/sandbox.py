@@ -20,9 +20,9 @@ interpreter, not a wall: native code the child can still reach may go around it.
 
 Not isolated: network and the file system, and the parent itself: the child runs as the
 same user, so it can read the parent's `/proc/<pid>/environ` (credentials included) and the
-run's files. A per-call user or namespaces (bubblewrap, nsjail) would close this. Code that a verifier executes in
-its own process can forge that process's result; `run_python_snippet` avoids this by judging
-only the snippet's stdout in the parent.
+run's files. A per-call user or namespaces (bubblewrap, nsjail) would close this. Code that
+a verifier executes in its own process can forge that process's result; `run_python_snippet`
+avoids this by judging only the snippet's stdout in the parent.
 """
 
 from __future__ import annotations
