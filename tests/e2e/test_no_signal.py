@@ -102,3 +102,21 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
     assert proc.returncode == 0, text[-3000:]
     assert "the run is done" in text
     assert store.get_bytes(keys.done()) == before
+
+    # one stopped after the commit that converged, before DONE.json: the commit carries the
+    # count of groups with nothing kept, so its restart finishes the run at that version. It
+    # used to count from nothing again and wait for shards no worker would write
+    progress = store.get_json(keys.progress())
+    assert progress["no_signal"]["groups"] >= LIMIT * 2
+    assert progress["no_signal"]["correct"] == progress["no_signal"]["rows"]
+    store.delete(keys.done())
+    proc, out = start_runner(tmp_path, [
+        "stage", "learn", "--config", str(config), "--run-id", "solved", "--store",
+        str(tmp_path / "store"), *(x for s in (*SETTINGS, *settings) for x in ("--set", s))],
+        "unfinished", env={"PYTHONPATH": str(tmp_path)})
+    text = finish(proc, out, timeout=120)
+    assert proc.returncode == 0, text[-3000:]
+    assert "converged at version 0 of 1000" in text
+    done = store.get_json(keys.done())
+    assert done["converged"] is True and done["steps"] == 0
+    assert store.get_json(keys.progress()) == progress  # no commit after the one before

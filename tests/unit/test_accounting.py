@@ -76,3 +76,33 @@ def test_a_quarantined_derived_shard_counts_the_rows_of_its_name_once(tmp_path):
     quarantine(store, keys.scored_for(key), "prepare", ValueError("bad"))
     acc = account(store, keys)
     assert (acc.generated, acc.quarantined, acc.unconsumed) == (5, 5, 0) and acc.balanced
+
+
+def test_a_delta_written_without_its_progress_record_is_not_committed(tmp_path):
+    """A commit writes its ledger delta, then progress.json. A learner stopped between the
+    two leaves a delta whose shards the counts do not include: they are still waiting (the
+    restarted learner takes them again), so they count as unconsumed, and the accounting
+    holds. It used to count them as committed and report that it did not hold."""
+    store, keys = LocalStore(tmp_path), RunKeys("r")
+    first, second = keys.rollout(0, 0, 0), keys.rollout(0, 0, 1)
+    write_shard(store, keys.ready_for(first), rows(4, 0), READY)
+    write_shard(store, keys.ready_for(second), rows(6, 1), READY)
+    LedgerDelta(version=0, stepped=True, shards=[
+        LedgerEntry(key=keys.ready_for(first), outcome="admitted", rows=4)],
+    ).write(store, keys.ledger(1))
+    Progress(version=1, commits=1, counts={"consumed": 3, "filtered": 1}).write(
+        store, keys.progress())
+    # the second commit's delta, written just before the learner stopped
+    LedgerDelta(version=1, stepped=True, shards=[
+        LedgerEntry(key=keys.ready_for(second), outcome="admitted", rows=6)],
+    ).write(store, keys.ledger(2))
+    acc = account(store, keys)
+    # 4 + 6 generated = 3 consumed + 1 filtered + 6 unconsumed
+    assert (acc.generated, acc.consumed, acc.filtered, acc.unconsumed) == (10, 3, 1, 6)
+    assert acc.balanced, acc.line()
+    # once its progress record lands the same shards are committed: 5 consumed, 1 filtered
+    Progress(version=2, commits=2, counts={"consumed": 8, "filtered": 2}).write(
+        store, keys.progress())
+    acc = account(store, keys)
+    assert (acc.consumed, acc.filtered, acc.unconsumed) == (8, 2, 0)
+    assert acc.balanced, acc.line()

@@ -3,9 +3,9 @@
 import torch
 
 from shardrl.commands.replay_cmd import spans
-from shardrl.stages.learn.replay import ReplayCores, first_difference
+from shardrl.stages.learn.replay import ReplayCores, first_difference, ledger_deltas
 from shardrl.store import LocalStore, RunKeys
-from shardrl.store.records import LearnerRestart, LedgerDelta, LedgerEntry
+from shardrl.store.records import LearnerRestart, LedgerDelta, LedgerEntry, Progress
 
 
 def test_replay_cores_set_the_recorded_threads_of_forward_and_backward():
@@ -65,3 +65,16 @@ def test_a_run_recorded_before_prompt_sharing_replays_on_whole_rows():
     assert old == {"seed": 3, "learner": {"lr": 0.001}}  # the recorded dict is left as it is
     new = {"learner": {"lr": 0.001, "share_prompts": True}}
     assert as_recorded(new) == new
+
+
+def test_replay_follows_the_committed_deltas_only(tmp_path):
+    """A learner stopped between a commit's ledger delta and its progress.json left a delta
+    whose step was never committed (its restart takes the step again): replay skips it."""
+    store, keys = LocalStore(tmp_path), RunKeys("r")
+    for n in (1, 2, 3, 10):
+        LedgerDelta(version=n - 1, stepped=True).write(store, keys.ledger(n))
+    Progress(version=3, commits=3).write(store, keys.progress())
+    assert [d.version for d in ledger_deltas(store, keys)] == [0, 1, 2]
+    Progress(version=10, commits=10).write(store, keys.progress())
+    assert [d.version for d in ledger_deltas(store, keys)] == [0, 1, 2, 9]
+    assert ledger_deltas(store, RunKeys("none")) == []  # nothing committed yet

@@ -229,7 +229,8 @@ class LearnerConfig(Section):
     kept by filtering (every group's rewards were all equal, so there is nothing to learn
     from): if every one of their samples was correct, the policy has converged and the run
     finishes at that version (DONE.json with `converged`; evaluate and promote go on);
-    otherwise it stops with the diagnosis (ABORTED.json). None: keep going."""
+    otherwise it stops with the diagnosis (ABORTED.json). The count is part of each commit,
+    so a restarted learner goes on from it. None: keep going."""
     publish: PublishConfig = PublishConfig()
     """Published weights: dtype, deltas and full snapshots."""
     commit_writer: Literal["auto", "process", "thread"] = "auto"

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from ..store import RunKeys, Store
 from ..store.keys import parse_shard_key
-from ..store.records import LedgerDelta, Progress
+from ..store.records import Progress, committed_deltas
 from ..store.shards import shards_by_name
 
 
@@ -52,17 +52,20 @@ def account(store: Store, keys: RunKeys) -> Accounting:
     # every generated shard: its rollout shard, or its ready shard alone (inline_shards)
     generated = shards_by_name(store, keys, ("rollouts", "ready"))
     rows = {name: _rows(store, key) or 0 for name, key in generated.items()}
-    # the ledger: every shard the learner committed, exactly once
+    # the ledger: every shard the learner committed, exactly once; the counts of the same
+    # commits (a delta written just before the learner stopped, without its progress.json,
+    # is not committed: its shards count as unconsumed)
+    progress = Progress.read(store, keys.progress())
     seen: set[str] = set()
-    for key in store.list(keys.ledger_prefix()):
-        for entry in LedgerDelta.read(store, key).shards:
+    for delta in committed_deltas(store, keys.ledger_prefix(), progress.commits):
+        for entry in delta.shards:
             name = parse_shard_key(entry.key).name
             if name in seen:
                 acc.duplicate_shards.append(name)
             seen.add(name)
             if entry.outcome == "stale":
                 acc.stale_dropped += entry.rows
-    counts = Progress.read(store, keys.progress()).counts
+    counts = progress.counts
     acc.consumed = int(counts.get("consumed", 0))
     acc.filtered = int(counts.get("filtered", 0))
     # quarantine: a shard whose name is still generated (a scored or ready shard moved away

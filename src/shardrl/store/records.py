@@ -11,7 +11,7 @@ errors both ways, so a misspelt field fails where it is written, not where it is
     state/learn/progress.json        Progress          learn          rollout, prepare, monitor,
                                                                       accounting, report
     state/learn/buffered.json        Buffered          learn          rollout (flow control)
-    state/learn/ledger-<n>.json      LedgerDelta       learn          accounting
+    state/learn/ledger-<n>.json      LedgerDelta       learn          accounting, replay
     state/<stage>/cursor.json        Cursor            score,prepare, downstream scanners
                                                        learn
     state/rollout/w<WW>.json         WorkerState       rollout        rollout, scanners
@@ -94,6 +94,12 @@ class Progress(Record):
     """The KL controller's state."""
     beta: float | None = None
     """The KL coefficient in force after the commit."""
+    no_signal: dict[str, float] = {}
+    """The steps in a row with no prompt group kept by filtering, up to this commit (the
+    learner's `Barren` count: groups, rows, correct, reward): a learner that resumes goes
+    on counting toward `learner.max_batches_without_signal`, and one stopped after the
+    commit that reached it ends the run as that commit did. Empty: none (or written before
+    this was recorded)."""
     time: float | None = None
     """When the commit's state was captured."""
 
@@ -153,6 +159,17 @@ class LedgerDelta(Record):
     reductions depend on them); empty for a commit without an update."""
     restart: LearnerRestart | None = None
     """Set on the first commit of a restarted learner process."""
+
+
+def committed_deltas(store: Store, prefix: str, commits: int) -> list[LedgerDelta]:
+    """The ledger deltas under `prefix` (`RunKeys.ledger_prefix`) of the first `commits`
+    commits (`Progress.commits`), in commit order. A delta is written before the
+    `progress.json` that commits it: one numbered past `commits` belongs to a learner that
+    stopped in between, and its shards are not committed (a restarted learner takes them
+    again and writes that delta anew)."""
+    found = sorted(k for k in store.list(prefix) if k.endswith(".json"))
+    return [LedgerDelta.read(store, k) for k in found
+            if int(k[len(prefix):-len(".json")]) <= commits]
 
 
 class Cursor(Record):

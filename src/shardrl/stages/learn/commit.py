@@ -79,12 +79,14 @@ class Ledger:
         """Drop the names of closed versions (below the scanner's cursor)."""
         self.names = {v: names for v, names in self.names.items() if v >= low}
 
-    def progress(self, version: int, kl: dict[str, float], beta: float) -> Progress:
+    def progress(self, version: int, kl: dict[str, float], beta: float,
+                 no_signal: dict[str, float] | None = None) -> Progress:
         return Progress(
             version=version, commits=self.commits, counts=dict(self.counts),
             processed_by_worker=dict(self.by_worker), groups_by_worker=dict(self.groups_by_worker),
             kept_groups_by_worker=dict(self.kept_by_worker), staleness=dict(self.staleness),
-            ledger={v: list(n) for v, n in self.names.items()}, kl=kl, beta=beta, time=time.time())
+            ledger={v: list(n) for v, n in self.names.items()}, kl=kl, beta=beta,
+            no_signal=no_signal or {}, time=time.time())
 
 
 @dataclass

@@ -87,7 +87,7 @@ class Learner:
         self.in_step = False
         """True while the ranks are inside one step's collectives (see `run`)."""
         self.profile = Profile()
-        self.barren = Barren()
+        self.barren = Barren.resumed(state.no_signal)
         self.writer = Writer()
         rc = cfg.rollout
         self.takes_read = not ctx.once and (
@@ -197,8 +197,12 @@ class Learner:
 
     def _lead(self) -> int:
         ctx, lc, buffer = self.ctx, self.cfg.learner, self.buffer
-        converged = False
-        while self.version < lc.total_steps:
+        # a learner stopped after the commit that converged (or ran out of signal), before
+        # DONE.json (or the abort marker): it ends the run as that commit did
+        converged = self.solved()
+        if not converged and self.without_signal():
+            return EXIT_RUN_ABORTED
+        while not converged and self.version < lc.total_steps:
             new = buffer.poll(self.version)
             batch = buffer.next_batch(self.version, self.k(), lc.batch_prompts)
             while batch is None and buffer.reading():  # what the batch lacks is being read:
@@ -399,7 +403,8 @@ class Learner:
         self.buffer.remove(batch)
         self.ledger.forget_below(self.buffer.scanner.low)
         commit = Commit(
-            progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta),
+            progress=self.ledger.progress(self.version, self.kl.state_dict(), self.kl.beta,
+                                          self.barren.state()),
             delta=delta, stepped=stepped, weights=weights, checkpoint=files,
             full_every=self.cfg.learner.publish.full_every,
             buffered=None if self.cfg.inline_postprocess else self.buffer.counts(),
@@ -434,6 +439,23 @@ class Barren:
         self.groups = self.rows = self.correct = 0
         self.reward = 0.0
         """Sum of the rows' `reward_total`."""
+
+    @classmethod
+    def resumed(cls, state: dict[str, float]) -> Barren:
+        """The count a commit recorded (`Progress.no_signal`, `state`); empty: none."""
+        barren = cls()
+        barren.groups = int(state.get("groups", 0))
+        barren.rows = int(state.get("rows", 0))
+        barren.correct = int(state.get("correct", 0))
+        barren.reward = float(state.get("reward", 0.0))
+        return barren
+
+    def state(self) -> dict[str, float]:
+        """What a commit records (`resumed` reads it back); empty while the count is 0."""
+        if not self.groups:
+            return {}
+        return {"groups": self.groups, "rows": self.rows, "correct": self.correct,
+                "reward": self.reward}
 
     def add(self, table: pa.Table, kept: pa.Table) -> None:
         """Count a step's admitted rows (`table`); a step with any kept row ends the run."""

@@ -32,9 +32,11 @@ from ...config import RunConfig
 from ...store import RunKeys, Store
 from ...store.records import (
     LedgerDelta,
+    Progress,
     ReplayCheck,
     ReplaySource,
     TensorDifference,
+    committed_deltas,
 )
 from ...store.schemas import READY
 from ...store.shards import read_shard
@@ -73,9 +75,10 @@ class ReplayCores:
 
 
 def ledger_deltas(store: Store, keys: RunKeys) -> list[LedgerDelta]:
-    """Every commit's delta of run `keys`, in commit order."""
-    return [LedgerDelta.read(store, key)
-            for key in sorted(store.list(keys.ledger_prefix())) if key.endswith(".json")]
+    """Every committed delta of run `keys`, in commit order (not one its learner wrote
+    before it stopped short of the commit's `progress.json`)."""
+    commits = Progress.read(store, keys.progress()).commits
+    return committed_deltas(store, keys.ledger_prefix(), commits)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
