@@ -93,14 +93,18 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
     # a learner stopped between DONE.json and its exit is restarted: it must end at once. It
     # used to go on at version 0 of 1000: commit what shards were left, write DONE.json again,
     # or, with none left, wait for shards that no worker (they stop on DONE.json) would write
+    def learner_again(name: str) -> str:
+        """The learn stage alone, restarted on the finished run; its output."""
+        proc, out = start_runner(tmp_path, [
+            "stage", "learn", "--config", str(config), "--run-id", "solved", "--store",
+            str(tmp_path / "store"), *(x for s in (*SETTINGS, *settings) for x in ("--set", s))],
+            name, env={"PYTHONPATH": str(tmp_path)})
+        text = finish(proc, out, timeout=120)
+        assert proc.returncode == 0, text[-3000:]
+        return text
+
     before = store.get_bytes(keys.done())
-    proc, out = start_runner(tmp_path, [
-        "stage", "learn", "--config", str(config), "--run-id", "solved", "--store",
-        str(tmp_path / "store"), *(x for s in (*SETTINGS, *settings) for x in ("--set", s))],
-        "relearn", env={"PYTHONPATH": str(tmp_path)})
-    text = finish(proc, out, timeout=120)
-    assert proc.returncode == 0, text[-3000:]
-    assert "the run is done" in text
+    assert "the run is done" in learner_again("relearn")
     assert store.get_bytes(keys.done()) == before
 
     # one stopped after the commit that converged, before DONE.json: the commit carries the
@@ -110,13 +114,7 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
     assert progress["no_signal"]["groups"] >= LIMIT * 2
     assert progress["no_signal"]["correct"] == progress["no_signal"]["rows"]
     store.delete(keys.done())
-    proc, out = start_runner(tmp_path, [
-        "stage", "learn", "--config", str(config), "--run-id", "solved", "--store",
-        str(tmp_path / "store"), *(x for s in (*SETTINGS, *settings) for x in ("--set", s))],
-        "unfinished", env={"PYTHONPATH": str(tmp_path)})
-    text = finish(proc, out, timeout=120)
-    assert proc.returncode == 0, text[-3000:]
-    assert "converged at version 0 of 1000" in text
+    assert "converged at version 0 of 1000" in learner_again("unfinished")
     done = store.get_json(keys.done())
     assert done["converged"] is True and done["steps"] == 0
     assert store.get_json(keys.progress()) == progress  # no commit after the one before
