@@ -52,6 +52,14 @@ _CREDENTIAL_CODES = frozenset(
 )
 STREAM_PART_SIZE = 64 << 20
 """Bytes per part of a multipart upload from a file (`writer`, `put_file`)."""
+READ_TIMEOUT_S = (1.0, 120.0)
+"""Bounds of how long a request waits for the server's next bytes: a quarter of the retry
+deadline within them. A stalled connection (a server paused or restarted behind a proxy)
+then fails soon enough to be retried on a new one before the deadline, instead of holding
+the stage for the whole deadline or more. Bytes that keep coming (a large object) never time
+out; a server slower than this to start an answer is retried, and fails the call at the
+deadline as an unreachable one would."""
+
 _ENV_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or SHARDRL_AWS_ACCESS_KEY_ID/...)"
 _CREATE_HINT = "create it (`shardrl run ... --create-bucket` does) or fix the store URI"
 
@@ -120,8 +128,10 @@ class S3Store(Store):
         self.prefix = check_prefix(prefix.strip("/") + "/") if prefix.strip("/") else ""
         self.endpoint = f"{'https' if secure else 'http'}://{parts.netloc}"
         self.retry = retry or RetryPolicy()
+        low, high = READ_TIMEOUT_S
         http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=5.0, read=120.0),
+            timeout=urllib3.Timeout(connect=5.0,
+                                    read=min(high, max(low, self.retry.deadline_s / 4))),
             maxsize=16,
             retries=False,  # retries are ours, under self.retry
             cert_reqs="CERT_REQUIRED",
