@@ -282,14 +282,17 @@ class SyncTrainer:
         import numpy as np
         import torch
 
+        from shardrl.algo.shaping import normalized_scores
         from shardrl.stages.prepare import shape_shard
 
         reward_rm = torch.tensor(table.column("reward_rm").to_numpy(), dtype=torch.float32)
         group_ids = torch.from_numpy(
             np.unique(table.column("group_id").to_numpy(zero_copy_only=False),
                       return_inverse=True)[1].astype(np.int64))  # (B,)
-        if self.cfg.algo.shaping.normalize:
-            self.moments.update(reward_rm)
+        shaping = self.cfg.algo.shaping
+        if shaping.normalize:
+            self.moments.update(normalized_scores(reward_rm, shaping.clip,
+                                                  shaping.clip_before_norm))
         return shape_shard(self.cfg.algo, reward_rm, group_ids, self.moments,
                            torch.zeros_like(reward_rm), 0.0)
 

@@ -206,6 +206,29 @@ def test_non_finite_rewards_are_filtered_and_keep_statistics_finite(run):
     assert moments["count"] == 6.0
 
 
+def test_rewards_clipped_before_normalizing_are_normalized_by_their_own_statistics(run):
+    """With `clip_before_norm` the running statistics take the clipped scores: two groups of
+    [0, 0, 100, 100] clipped to 5 are [0, 0, 5, 5] twice, mean 2.5 and std sqrt(50 / 7) =
+    2.6726, so the totals are -+2.5 / 2.6726 = -+0.9354. With the statistics of the unclipped
+    scores (mean 50, std 53.45) every total came out negative: -0.935 and -0.842."""
+    store, cfg, run_id, template = run
+    cfg = replace(cfg, {"algo.shaping.normalize": True, "algo.shaping.clip": 5.0,
+                        "algo.shaping.clip_before_norm": True})
+    keys = RunKeys(run_id)
+    write_shard(store, keys.rollout(0, 0, 0), template, ROLLOUT)
+    assert run_stage(store, cfg, run_id, "score") == 0
+    scored = read_shard(store, keys.shard("scored", 0, 0, 0), SCORED)
+    assert len(set(scored.column("group_id").to_pylist()[:4])) == 1  # two groups of 4
+    write_shard(store, keys.shard("scored", 0, 0, 0),
+                with_column(scored, "reward_rm", [0.0, 0.0, 100.0, 100.0] * 2), SCORED)
+    assert run_stage(store, cfg, run_id, "prepare") == 0
+    ready = read_shard(store, keys.shard("ready", 0, 0, 0), READY)
+    total = ready.column("reward_total").to_pylist()
+    assert total == pytest.approx([-0.9354, -0.9354, 0.9354, 0.9354] * 2, abs=1e-4)
+    moments = store.get_json(keys.state("prepare", "state.json"))["moments"]
+    assert (moments["count"], moments["mean"]) == (8.0, 2.5)
+
+
 def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
     store, cfg, run_id, _ = run
     ctx = context(store, cfg, run_id, "rollout")

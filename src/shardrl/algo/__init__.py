@@ -48,7 +48,7 @@ from shardrl.algo.policy_losses import (
 )
 from shardrl.algo.registry import UnknownNameError
 from shardrl.algo.schedule import LR_SCHEDULES, known_lr_schedules, lr_schedule
-from shardrl.algo.shaping import RunningMoments, shape_rewards
+from shardrl.algo.shaping import RunningMoments, normalized_scores, shape_rewards
 from shardrl.algo.utils import (
     LOG_RATIO_CLAMP,
     entropy_from_logits,
@@ -94,6 +94,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "normalized_scores",
     "policy_loss",
     "register_advantage_estimator",
     "register_aggregation",

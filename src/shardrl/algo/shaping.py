@@ -65,6 +65,16 @@ class RunningMoments:
         )
 
 
+def normalized_scores(reward_rm: Tensor, clip: float | None, clip_before_norm: bool) -> Tensor:
+    """The scores `shape_rewards` normalises, which the running statistics must describe:
+    `reward_rm` itself, or clipped to +-clip first when `clip_before_norm`. (Statistics of
+    the unclipped scores would shift and shrink the clipped ones: rewards [0, 0, 100, 100]
+    clipped to 5 would all come out negative, 20 times closer together.) (B,) -> (B,)."""
+    if clip is not None and clip_before_norm:
+        return reward_rm.clamp(-clip, clip)
+    return reward_rm
+
+
 def shape_rewards(
     reward_rm: Tensor,
     kl_seq: Tensor,
@@ -78,8 +88,9 @@ def shape_rewards(
     """Total reward `alpha * r - beta * kl_seq`, r the reward-model score after shaping.
 
     reward_rm, kl_seq: (B,). r is normalised with `moments` (if given; they are read, not
-    updated: update them first if this batch should count) and clipped to +-clip (if
-    given), clipping first when `clip_before_norm`. The KL is never normalised. Returns (B,).
+    updated: update them first with `normalized_scores` if this batch should count) and
+    clipped to +-clip (if given), clipping first when `clip_before_norm`. The KL is never
+    normalised. Returns (B,).
     """
     r = reward_rm
     if clip is not None and clip_before_norm:

@@ -151,7 +151,7 @@ class RewardShaping(Section):
     clip: float | None = Field(None, gt=0.0, le=1e6)
     """Clip the (normalised) reward to +-clip."""
     clip_before_norm: bool = False
-    """Clip first, then normalise."""
+    """Clip first, then normalise (by the running statistics of the clipped scores)."""
     alpha: float = Field(1.0, gt=0.0, le=1e6)
     """Weight of the reward term."""
 

@@ -13,6 +13,7 @@ from ..algo import (
     RunningMoments,
     get_advantage_estimator,
     kl_penalty,
+    normalized_scores,
     shape_rewards,
     shard_norm,
     zero_variance_keep,
@@ -189,15 +190,18 @@ class Preparer:
             beta = Progress.read(self.ctx.store, self.ctx.keys.progress()).beta
             beta = _init_beta(algo.kl.controller) if beta is None else beta
         if algo.shaping.normalize:
-            self.moments.update(reward_rm)
+            self.moments.update(normalized_scores(reward_rm, algo.shaping.clip,
+                                                  algo.shaping.clip_before_norm))
         return shape_shard(algo, reward_rm, group_ids, self.moments, kl_seq, beta)
 
     def merged(self, key: str, ready: pa.Table, update_moments: bool = False) -> None:
         """Record a written ready shard (of shard `key`) in the persisted state, and its
         statistics if recovering."""
-        if update_moments and self.ctx.cfg.algo.shaping.normalize:
+        shaping = self.ctx.cfg.algo.shaping
+        if update_moments and shaping.normalize:
             valid = [r not in INVALID for r in ready.column("filter_reason").to_pylist()]
-            self.moments.update(torch.tensor(ready.column("reward_rm").to_numpy()[valid]))
+            scores = torch.tensor(ready.column("reward_rm").to_numpy()[valid])
+            self.moments.update(normalized_scores(scores, shaping.clip, shaping.clip_before_norm))
         self.save(self.record(key, ready))
 
     def record(self, key: str, ready: pa.Table) -> StateWrites:
