@@ -75,3 +75,21 @@ def test_the_mlflow_run_and_the_kfp_run_link_to_each_other(monkeypatch):
     kfp_tasks.link_runs(monitor, view)
     assert monitor.client.tags == {"kfp.run_id": "5f0c"}
     assert kfp_tasks.link_runs(SimpleNamespace(mlflow=None), view) is None
+
+
+def test_the_monitor_and_report_tasks_open_their_mlflow_run(tmp_path):
+    """The `monitor` and `report` tasks build their `Monitor` from `open_view`; with tracking
+    on (the default) it failed on a field the local runner sets (whether the run is new)
+    before forwarding anything. Twice, as a retried task would: one MLflow run, found again."""
+    from shardrl.orchestrate.monitor import Monitor
+    from shardrl.tracking.mlflow_run import RUN_TAG, client
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"extends: demo\ntracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n")
+    runs = []
+    for _ in range(2):
+        view = kfp_tasks.open_view(str(config), "kfp-run-1", str(tmp_path / "store"))
+        runs.append(Monitor(view, progress_bar=False).mlflow)
+    assert runs[0] is not None and runs[0] == runs[1]
+    c = client(view.cfg)
+    assert c.get_run(runs[0]).data.tags[RUN_TAG] == "kfp-run-1"

@@ -28,14 +28,15 @@ RUN_ID_TAG = "kfp.run_id"
 
 
 def open_view(config: str, run_id: str, store_uri: str | None) -> SimpleNamespace:
-    """What `Monitor` reads of a run: its config, store, keys and id."""
+    """What `Monitor` reads of a run: its config, store, keys and id. Never a new run
+    (`new`): the pipeline's tasks, retried or not, find its MLflow run or make it."""
     from ..stages.context import load_stage_config, retry_policy
     from ..store import RunKeys, open_store
 
     cfg = load_stage_config(config, [])
     store = open_store(store_uri or cfg.store.uri, retry_policy(cfg))
     return SimpleNamespace(cfg=cfg, store=store, keys=RunKeys(run_id), run_id=run_id,
-                           log_dir="(the pipeline tasks' logs)")
+                           log_dir="(the pipeline tasks' logs)", new=False)
 
 
 def run_url(cfg, run_id: str) -> str | None:
