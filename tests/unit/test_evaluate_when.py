@@ -21,14 +21,16 @@ FINISHED_AT_POLL = 4
 class Stage:
     """The parts of a `StageContext` the evaluate loop uses. Versions 0 to `final` are
     published from the start; at the `FINISHED_AT_POLL`-th check of `done` the learner has
-    written DONE.json at `final`, or, with `abort`, another stage has aborted the run."""
+    written DONE.json at `final`, or, with `abort`, another stage has aborted the run (at
+    the `at`-th check instead, when given)."""
 
-    def __init__(self, tmp_path, when: str, final: int = 6, abort: bool = False) -> None:
+    def __init__(self, tmp_path, when: str, final: int = 6, abort: bool = False,
+                 at: int = FINISHED_AT_POLL) -> None:
         self.cfg = load_config("demo", ["learner.total_steps=6", "eval.every=3",
                                         f"eval.when={when}", "eval.poll_interval_s=0.001"])
         self.store, self.keys = LocalStore(tmp_path), RunKeys("r")
         self.log, self.once, self.polls = logging.getLogger("test"), False, 0
-        self.final, self.abort = final, abort
+        self.final, self.abort, self.at = final, abort, at
         for v in range(final + 1):
             self.store.put_json(self.keys.policy_file(v, MANIFEST), {"time": float(v)})
 
@@ -40,12 +42,12 @@ class Stage:
 
     def done(self) -> bool:
         self.polls += 1
-        if self.polls == FINISHED_AT_POLL:
+        if self.polls == self.at:
             if self.abort:
                 Aborted(stage="learn", reason="test").write(self.store, self.keys.aborted())
             else:
                 Done(steps=self.final).write(self.store, self.keys.done())
-        return self.polls >= FINISHED_AT_POLL
+        return self.polls >= self.at
 
     def latest_version(self) -> int:
         return self.final
@@ -80,3 +82,9 @@ def test_after_a_learner_that_stopped_early_its_last_version_is_evaluated(tmp_pa
 
 def test_an_aborted_run_is_not_evaluated_after(tmp_path, monkeypatch):
     assert run(Stage(tmp_path, "after", abort=True), monkeypatch) == []
+
+
+def test_an_aborted_run_stops_evaluating_during_with_versions_still_due(tmp_path, monkeypatch):
+    """Versions 3 and 6 are published and due when the run is aborted: the stage stops at
+    once. It used to evaluate every version due before it looked at the abort marker."""
+    assert run(Stage(tmp_path, "during", abort=True, at=2), monkeypatch) == [(0, 1)]

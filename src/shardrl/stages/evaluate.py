@@ -113,13 +113,15 @@ def main(ctx: StageContext) -> int:
         ctx.log.info("evaluating once the learner has finished (eval.when: after)")
     while True:
         finished = ctx.done()
+        if ctx.aborted() is not None:  # owes nothing, whatever is due: promote refuses the run
+            return 0
         if finished and not ended:  # a converged learner stops before `total`
             done = Done.read(store, keys.done(), optional=True)
             if done is not None:
                 schedule.end_at(done.steps)
                 ended = True
         latest = ctx.latest_version()
-        # after: only once DONE.json is read (an aborted run is finished too, and owes nothing)
+        # after: only once DONE.json is read
         version = schedule.due(latest) if ended or not after else None
         if version is not None:
             if store.exists(keys.policy_file(version, MANIFEST)):
@@ -129,7 +131,7 @@ def main(ctx: StageContext) -> int:
                 ctx.log.error("policy v%d is gone from the store: not evaluated", version)
             schedule.advance()
             continue
-        if (finished and latest >= schedule.total) or ctx.once or ctx.aborted() is not None:
+        if (finished and latest >= schedule.total) or ctx.once:
             return 0
         time.sleep(cfg.eval.poll_interval_s)
 
