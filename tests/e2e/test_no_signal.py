@@ -77,6 +77,8 @@ def test_a_run_whose_every_sample_is_correct_finishes_as_converged(tmp_path):
     text = finish(proc, out, timeout=300)
     assert proc.returncode == 0, text[-3000:]
     assert "learner steps     0 of 1000: converged" in text
+    assert "registered model  tiny-e2e v1 (policy v0, pass_at_1 " in text
+    assert f"MLflow            sqlite:///{tmp_path}/mlflow.db" in text
 
     store, keys = LocalStore(tmp_path / "store"), RunKeys("solved")
     assert not store.exists(keys.aborted())

@@ -47,6 +47,11 @@ def test_outputs_reach_kfp_through_the_executor_output(tmp_path):
                             pb.ExecutorOutput())
     meta = json_format.MessageToDict(out.artifacts["metrics"].artifacts[0].metadata)
     assert meta == metrics
+    # tracking off: promote chose a version but registered nothing
+    chosen = dict(SUMMARY, promote={"version": 12, "metric": "pass_at_1", "value": 0.5})
+    page = kfp_tasks.report_html("run-1", chosen, kfp_tasks.kfp_metrics(chosen), {})
+    assert "Chose policy v12; tracking is off, so no model was registered." in page
+    assert "None" not in page
 
 
 class Client:

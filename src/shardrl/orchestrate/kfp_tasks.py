@@ -105,11 +105,18 @@ def report_html(run_id: str, summary: dict, metrics: dict[str, float],
     anchors = "".join(f"<li>{esc(name)}: <a href='{esc(url)}' target='_blank'>{esc(url)}</a>"
                       f"</li>" for name, url in links.items() if url)
     promo = summary.get("promote") or {}
-    promoted = (f"<p>Registered {esc(str(promo.get('model_name')))} "
-                f"v{esc(str(promo.get('model_version')))} (policy v{esc(str(promo.get('version')))}"
-                f"{', champion' if promo.get('champion') else ', challenger only'})</p>"
-                + (f"<p>{esc(promo['champion_kept'])}</p>" if promo.get("champion_kept") else "")
-                if promo else "<p>No model was registered.</p>")
+    if promo.get("model_version") is not None:
+        promoted = (f"<p>Registered {esc(str(promo.get('model_name')))} "
+                    f"v{esc(str(promo.get('model_version')))} (policy "
+                    f"v{esc(str(promo.get('version')))}"
+                    f"{', champion' if promo.get('champion') else ', challenger only'})</p>"
+                    + (f"<p>{esc(promo['champion_kept'])}</p>" if promo.get("champion_kept")
+                       else ""))
+    elif promo:  # tracking off
+        promoted = (f"<p>Chose policy v{esc(str(promo.get('version')))}; tracking is off, so "
+                    "no model was registered.</p>")
+    else:
+        promoted = "<p>No model was registered.</p>"
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ShardRL run "
             f"{esc(run_id)}</title></head><body><h1>ShardRL run {esc(run_id)}</h1>"
             f"<ul>{anchors}</ul>{promoted}<table border='1' cellpadding='4'>"

@@ -116,16 +116,20 @@ class Monitor:
                   f"T={first['temperature']})")
         print(f"samples           {acc.line()}")
         print(f"staleness         {done.staleness} (version lag: admitted samples)")
-        if promo:
+        if promo.get("model_version") is not None:
             print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
                   f"(policy v{promo['version']}, {promo['metric']} {promo['value']:.3f}"
                   f"{', champion' if promo.get('champion') else ', challenger only'})")
             if promo.get("champion_kept"):
                 print(f"                  {promo['champion_kept']}")
-        uri = redacted(tracking_uri(lr.cfg))
-        print(f"MLflow            {uri}")
-        ui = Path(sys.executable).parent / "mlflow"  # the environment's own, from any folder
-        print(f"                  open the UI: {ui} ui --backend-store-uri {uri}")
+        elif promo:  # tracking off: chosen, but there is no registry to put it in
+            print(f"chosen version    policy v{promo['version']} ({promo['metric']} "
+                  f"{promo['value']:.3f}; tracking is off, so nothing was registered)")
+        if lr.cfg.tracking.enabled:
+            uri = redacted(tracking_uri(lr.cfg))
+            print(f"MLflow            {uri}")
+            ui = Path(sys.executable).parent / "mlflow"  # the environment's own, any folder
+            print(f"                  open the UI: {ui} ui --backend-store-uri {uri}")
         print(f"logs              {lr.log_dir}")
         if self.mlflow is not None:
             summary = {f"summary/{k}": float(v) for k, v in acc.as_dict().items()
