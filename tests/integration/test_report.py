@@ -57,6 +57,12 @@ def test_report_writes_every_plot_and_logs_them_to_mlflow(tiny_run):
     doctor = json.loads(run_cli(["doctor", RUN, "--store", str(store), "--json"], tmp).stdout)
     assert run.data.tags["doctor.findings"] == (
         ",".join(f["code"] for f in doctor["findings"]) or "none")
+    # six steps are too few for the trend rules: the page says so, as the doctor does
+    found = {f["code"] for f in doctor["findings"]}
+    short = {code: why for code, why in doctor["too_short"].items() if code not in found}
+    assert "B" in short
+    for code, why in short.items():
+        assert f"<p>Not judged yet: {code} ({why})</p>" in page
 
 
 def test_doctor_reads_the_same_run_from_mlflow(tiny_run, monkeypatch):

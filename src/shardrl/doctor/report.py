@@ -21,7 +21,7 @@ from ..store import LocalStore, RunKeys, Store, read_columns, shards_by_name
 from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
 from .fit import NotEnoughData, ScalingFit, eval_points, fit_scaling, param_count
-from .rules import diagnose, unassessed
+from .rules import diagnose, too_short, unassessed
 from .series import Metrics, RunHandle, load_store_metrics, open_run
 
 MAX_SHARDS = 400  # scored shards read for the pass-rate distribution (evenly spaced)
@@ -75,8 +75,10 @@ def group_pass_rates(store: Store, keys: RunKeys, max_shards: int = MAX_SHARDS
 
 
 def write_html(path: Path, run_id: str, plots: dict[str, Path], findings: list[Finding],
-               not_assessed: dict[str, list[str]], fit: FitResult) -> Path:
-    """The single report page: findings, the fit, then every plot."""
+               not_assessed: dict[str, list[str]], fit: FitResult,
+               short: dict[str, str] | None = None) -> Path:
+    """The single report page: findings (and the rules this run is too short for, so that
+    "no findings" is not read as a clean bill of health), the fit, then every plot."""
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>ShardRL report: "
              f"{esc(run_id)}</title><style>body{{font-family:sans-serif;max-width:1100px;"
@@ -92,6 +94,9 @@ def write_html(path: Path, run_id: str, plots: dict[str, Path], findings: list[F
         parts.append("<p>Not assessed: " + "; ".join(
             f"{esc(code)} (no {esc(', '.join(names))})" for code, names in not_assessed.items())
             + "</p>")
+    found = {f.code for f in findings}
+    parts += [f"<p>Not judged yet: {esc(code)} ({esc(why)})</p>"
+              for code, why in (short or {}).items() if code not in found]
     parts += ["<h2>Scaling fit</h2>", f"<p>{esc(fit.summary())}</p>", "<h2>Plots</h2>"]
     parts += [f"<figure><img src='{esc(p.name)}' alt='{esc(title)}'><figcaption>{esc(title)}"
               f"</figcaption></figure>" for title, p in plots.items()]
@@ -116,7 +121,7 @@ def build_report(handle: RunHandle, out: Path) -> tuple[Path, list[Finding]]:
     figures["Scaling fit"] = P.fit_plot(out / "scaling_fit.png", fit.compute, fit.pass_rate,
                                         fit.fit, fit.flops_per_token)
     index = write_html(out / "index.html", handle.keys.run_id, figures, findings, unassessed(m),
-                       fit)
+                       fit, too_short(m, handle.cfg))
     return index, findings
 
 
