@@ -59,8 +59,9 @@ def compile_short(tmp: Path, name: str, overrides: list[str], backoff: str = "1s
     return path
 
 
-def emulate(path: Path, tmp: Path, job: str, config: str) -> subprocess.Popen:
-    (tmp / "secrets.yaml").write_text(yaml.safe_dump(SECRETS))
+def emulate(path: Path, tmp: Path, job: str, config: str,
+            secrets: dict[str, dict[str, str]] = SECRETS) -> subprocess.Popen:
+    (tmp / "secrets.yaml").write_text(yaml.safe_dump(secrets))
     (tmp / "config.yaml").write_text(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDRL_", "AWS_", "MLFLOW"))}
     return subprocess.Popen(
@@ -132,12 +133,17 @@ def test_async_pipeline_recovers_a_killed_task_by_its_retry_policy(tmp_path):
 
 @pytest.mark.slow
 def test_sync_pipeline_completes_its_rounds_with_filtering_on(tmp_path):
+    """With tracking on: the MLflow secret names a SQLite file, which the monitor, promote
+    and report tasks share."""
     job = str(uuid.uuid4())
     overrides = ["learner.total_steps=2"]
     path = compile_short(tmp_path, "shardrl-sync", overrides)
-    config = SHORT + "learner: {batch_prompts: 8, total_steps: 2}\n"
+    config = (SHORT.replace("tracking: {enabled: false}\n", "")
+              + "learner: {batch_prompts: 8, total_steps: 2}\n")
     assert load_config(str(path.parent.parent / "short.yaml"), overrides).algo.filters.zero_variance
-    proc = emulate(path, tmp_path, job, config)
+    tracking = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = emulate(path, tmp_path, job, config,
+                   dict(SECRETS, **{"shardrl-mlflow": {"MLFLOW_TRACKING_URI": tracking}}))
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     # two rounds, one after the other, each: two rollout workers, then learn, then evaluate
@@ -153,3 +159,17 @@ def test_sync_pipeline_completes_its_rounds_with_filtering_on(tmp_path):
     # each round's learner checkpointed its optimizer state for the next round's
     st = open_store(str(tmp_path / "store"))
     assert st.get_json(RunKeys(job).latest_learner())["step"] == 2
+    # the monitor forwarded the metrics to the run's MLflow run, the report linked it to the
+    # KFP run, and promote registered the chosen version
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=tracking)
+    (run,) = c.search_runs([c.get_experiment_by_name("shardrl").experiment_id],
+                           filter_string=f"tags.`shardrl.run_id` = '{job}'")
+    assert run.data.tags["kfp.run_id"] == job
+    names = set(run.data.metrics)
+    assert {"learn/policy_loss", "rollout/tokens_per_s", "summary/consumed"} <= names, names
+    promoted = st.get_json(RunKeys(job).state("promote", "result.json"))
+    assert str(promoted["model_version"]) == "1"
+    page = (tmp_path / "work" / "outputs" / "shardrl-sync_report" / "artifacts" / "report")
+    assert "Registered shardrl-demo v1" in page.read_text()
