@@ -116,6 +116,10 @@ def test_a_champion_without_the_metric_tag_stays_champion(registry):
     assert again["champion"] is False and "no numeric" in again["champion_kept"]
     assert str(c.get_model_version_by_alias("promo-untagged", "champion").version) == \
         str(chosen.version)
+    # nor does a NaN: it used to keep the champion with no word of why (metric > nan is false)
+    c.set_model_version_tag("promo-untagged", chosen.version, "eval.pass_at_1", "nan")
+    third = _promote(registry, "run-u3", {0: 0.10, 5: 0.97}, untagged)
+    assert third["champion"] is False and "no numeric" in third["champion_kept"]
 
 
 def _client(tmp: Path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -104,11 +105,13 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
 
 
 def _number(tag: str | None) -> float | None:
-    """A metric tag's value; None when there is none or it is not a number."""
+    """A metric tag's value; None when there is none or it is not a finite number (no
+    challenger could beat a champion tagged `nan`, and it would stay so without a word)."""
     try:
-        return float(tag) if tag is not None else None
+        value = float(tag) if tag is not None else None
     except ValueError:
         return None
+    return value if value is not None and math.isfinite(value) else None
 
 
 MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
