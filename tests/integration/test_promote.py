@@ -186,6 +186,11 @@ def test_a_retried_promote_reuses_its_version(registry):
     run_c = [v for v in c.search_model_versions("name = 'promo-test'")
              if v.tags["shardrl.run_id"] == "run-c"]
     assert len(run_c) == 1
+    # a retry (or a resume) of an older run's promote leaves the aliases where later runs put
+    # them: it used to move the challenger back to its own version
+    older = json.loads((store / "runs" / "run-a" / "state" / "promote" / "result.json").read_text())
+    _stage("promote", cfg, store, "run-a", tmp)
+    assert _aliases(tmp) == aliases and int(aliases["challenger"]) > int(older["model_version"])
 
 
 def test_an_unfinished_or_aborted_run_is_not_promoted(registry):

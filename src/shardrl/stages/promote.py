@@ -59,7 +59,8 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
 
 def register(ctx: StageContext, version: int, metric: float, summary: dict) -> dict:
     """Register policy `version` (once per run and version: a retry reuses the version an
-    earlier attempt registered) and move the aliases."""
+    earlier attempt registered) and move the aliases: `challenger` to it unless a later
+    registration holds it already, `champion` when it beats the champion's metric."""
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
     c = client(cfg)
@@ -80,7 +81,12 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     else:
         ctx.log.info("promote: %s version %s already holds policy v%d of this run; reusing it",
                      name, mv.version, version)
-    c.set_registered_model_alias(name, "challenger", mv.version)
+    challenger = _alias(c, name, "challenger")
+    if challenger is None or int(challenger.version) <= int(mv.version):
+        c.set_registered_model_alias(name, "challenger", mv.version)
+    else:  # a retry or a resume, after a later registration took the alias: it stays there
+        ctx.log.info("promote: challenger stays at %s version %s, registered after this one",
+                     name, challenger.version)
     champion = _alias(c, name, "champion")
     promoted, kept = False, None
     held = None if champion is None else _number(champion.tags.get(f"eval.{cfg.promote.metric}"))
