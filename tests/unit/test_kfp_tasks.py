@@ -26,6 +26,10 @@ def test_metrics_are_the_final_pass_rate_steps_and_accounting():
         "samples_dropped_stale": 16.0, "registered_version": 3.0}
     # a run without evaluations or promotion still reports its steps
     assert kfp_tasks.kfp_metrics({"done": {"steps": 0}}) == {"steps": 0.0}
+    # without v0's evaluation there is no baseline (v6 is not one)
+    assert kfp_tasks.kfp_metrics({"done": {"steps": 12}, "evals": {
+        "6": {"pass_at_1": 0.375}, "12": {"pass_at_1": 0.5}}}) == {
+        "steps": 12.0, "pass_at_1_final": 0.5, "final_version": 12.0}
 
 
 def test_outputs_reach_kfp_through_the_executor_output(tmp_path):
