@@ -92,9 +92,7 @@ def shape_rewards(
     clipped to +-clip (if given), clipping first when `clip_before_norm`. The KL is never
     normalised. Returns (B,).
     """
-    r = reward_rm
-    if clip is not None and clip_before_norm:
-        r = r.clamp(-clip, clip)
+    r = normalized_scores(reward_rm, clip, clip_before_norm)
     if moments is not None:
         r = moments.normalize(r)
     if clip is not None and not clip_before_norm:

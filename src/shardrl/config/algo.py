@@ -196,7 +196,8 @@ class ISCorrection(Section):
     """Importance weights between behaviour (generator) and learner logprobs of the same
     tokens, k = pi_learner_old / pi_behaviour: the engines' mismatch (and policy lag). The
     loss's ratio is then taken against pi_learner_old, which one update per batch makes 1:
-    the clip or trust region of ppo, gspo and dppo_* does not act, only k's bound does."""
+    the clip or trust region of ppo, gspo and dppo_* does not act, and the truncation or
+    mask of k is the only bound on a token's update."""
 
     enabled: bool = False
     mode: Literal["truncate", "mask"] = "truncate"
