@@ -69,6 +69,7 @@ def test_replay_verifies_bit_for_bit_with_the_recorded_threads(source, tmp_path,
     stepped = [d for d in deltas if d.stepped]
     assert len(stepped) == 6
     assert all(d.threads == [2, 2] and d.beta is not None and d.restart is None for d in stepped)
+    assert all(d.applied for d in stepped)
     versions = published(store, RUN)
     assert len(versions) >= 3
     gone = versions[-1]  # a version the store no longer holds is listed, not checked
@@ -109,6 +110,33 @@ def test_a_verify_with_nothing_left_to_compare_is_not_a_pass(source, tmp_path, m
     assert replay(root, "--verify", "--run-id", "none-left") == EXIT_UNVERIFIED
     out = capsys.readouterr().out
     assert "verify: NOT VERIFIED" in out and "bit-for-bit equal" not in out
+
+
+def test_an_update_the_run_skipped_is_told_from_one_it_applied(source, tmp_path, monkeypatch,
+                                                                 capsys):
+    """A `--once` round publishes a version whether or not its update changed the weights:
+    the ledger says which, and a replay whose update was applied where the run's was skipped
+    says so at that step, before any weights are compared."""
+    monkeypatch.setenv("SHARDRL_CACHE", str(tmp_path / "cache"))
+    root = copy_of(source, tmp_path)
+    store, keys = LocalStore(root), RunKeys(RUN)
+    numbered = sorted(k for k in store.list(keys.ledger_prefix()) if k.endswith(".json"))
+    at = None
+    for key in numbered:
+        delta = store.get_json(key)
+        if delta["stepped"] and delta["version"] >= 2:
+            delta["applied"] = False  # as a round whose rows were all filtered records it
+            store.put_json(key, delta)
+            at = delta["version"]
+            break
+    assert at is not None
+    assert replay(root, "--verify", "--run-id", "skipped") == 3
+    out = capsys.readouterr().out
+    # named by the version the step started from, as the replay's other step checks are
+    assert (f"DIFFERENT: v{at - 1}: the update was applied (the weights changed), the run's "
+            "was not" in out)
+    assert ReplayCheck.read(store, RunKeys("skipped").replay_check()).checked == list(
+        range(1, at))
 
 
 def corrupt(store: LocalStore, keys: RunKeys, version: int) -> str:

@@ -172,7 +172,10 @@ class Filters(Section):
     """Which samples leave the loss."""
 
     zero_variance: bool = True
-    """Drop groups whose rewards are all equal (no learning signal)."""
+    """Drop groups whose scores (`reward_rm`, the verifier's or reward model's, before
+    shaping) are all equal: no learning signal from the task. The score, not the total: with
+    `kl.placement: reward` a group's KL terms almost never tie, so the total would filter
+    nothing; a dropped group's KL term then leaves the loss with it."""
     zero_variance_tol: float = Field(1e-6, ge=0.0, le=1.0)
     """Population-std tolerance for 'all equal'."""
     no_positive_resampling: NoPositiveResampling = NoPositiveResampling()

@@ -151,6 +151,10 @@ class LedgerDelta(Record):
 
     version: int = 0
     stepped: bool = False
+    """Whether the commit published a version (an applied update, or any `--once` round)."""
+    applied: bool | None = None
+    """Whether the update changed the weights (False: every row filtered, or a non-finite
+    loss); None for a commit without an update, and in records written before the field."""
     shards: list[LedgerEntry] = []
     beta: float | None = None
     """The KL coefficient the update used (None: a commit of stale drops only)."""

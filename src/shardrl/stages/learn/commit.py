@@ -108,6 +108,7 @@ class Commit:
     beta: float | None = None
     threads: list[int] = field(default_factory=list)
     restart: LearnerRestart | None = None
+    applied: bool | None = None
     """The ledger delta's replay fields (see `LedgerDelta`)."""
 
     def write(self, out: Writes | CommitProcess, store: Store, keys: RunKeys,
@@ -127,8 +128,8 @@ class Commit:
         if self.weights is not None:
             before.append(Publish(version, self.weights, self.full_every))
         before.append(Put(keys.ledger(self.progress.commits), LedgerDelta(
-            version=version, stepped=self.stepped, shards=self.delta, beta=self.beta,
-            threads=self.threads, restart=self.restart)))
+            version=version, stepped=self.stepped, applied=self.applied, shards=self.delta,
+            beta=self.beta, threads=self.threads, restart=self.restart)))
         if self.buffered is not None:  # before progress.json: a reader double-counts, never misses
             before.append(Put(keys.buffered(), self.buffered))
         after: list[Write] = [Put(keys.progress(), self.progress)]

@@ -86,6 +86,8 @@ class Learner:
         self.leader = self.backend.rank == 0
         self.in_step = False
         """True while the ranks are inside one step's collectives (see `run`)."""
+        self.last_applied: bool | None = None
+        """Whether the last step's update changed the weights (replay checks it)."""
         self.profile = Profile()
         self.barren = Barren.resumed(state.no_signal)
         self.writer = Writer()
@@ -285,7 +287,9 @@ class Learner:
         if every_round and not applied:
             self.ledger.counts["unchanged_versions"] += 1
         tokens = policy_tokens(kept)  # before the commit's writer thread wants the lock
-        self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads)
+        self.last_applied = applied
+        self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads,
+                    applied=applied)
         self.in_step = False
         metrics.update(
             beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
@@ -389,9 +393,10 @@ class Learner:
                             lend_weights=isinstance(self.commits, CommitProcess))
 
     def commit(self, batch: Batch, stepped: bool, beta: float | None = None,
-               threads: list[int] = ()) -> None:
-        """Publish (if the step was applied) and record the batch's shards in the ledger,
-        with the update's KL coefficient and torch threads (what a replay repeats).
+               threads: list[int] = (), applied: bool | None = None) -> None:
+        """Publish (if `stepped`) and record the batch's shards in the ledger, with whether
+        the update was `applied`, its KL coefficient and torch threads (what a replay repeats
+        and checks).
 
         The state is captured now; the writes, in the commit order, go to the background
         writer (see the package docstring).
@@ -408,7 +413,7 @@ class Learner:
             delta=delta, stepped=stepped, weights=weights, checkpoint=files,
             full_every=self.cfg.learner.publish.full_every,
             buffered=None if self.cfg.inline_postprocess else self.buffer.counts(),
-            beta=beta, threads=list(threads), restart=self.restart)
+            beta=beta, threads=list(threads), restart=self.restart, applied=applied)
         self.restart = None
         self.writer.submit(commit.write, self.commits, self.ctx.store, self.ctx.keys,
                            self.cfg.learner.keep_checkpoints, self.retention.collect)

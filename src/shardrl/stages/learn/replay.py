@@ -195,6 +195,12 @@ class Replay:
             if stepped != delta.stepped and not self.overrides:
                 return self._diverged(f"v{at}: the step was {'applied' if stepped else 'skipped'}"
                                       f", the run's was not")
+            applied = learner.last_applied
+            if delta.applied is not None and applied != delta.applied and not self.overrides:
+                # a `--once` round publishes either way: only the update itself tells
+                return self._diverged(f"v{at}: the update was {'applied' if applied else 'skipped'}"
+                                      f" (the weights {'changed' if applied else 'kept'}), the "
+                                      "run's was not")
             if stepped and self.verify:
                 return self._compare(learner, learner.version)
         else:
