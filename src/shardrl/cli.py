@@ -215,8 +215,12 @@ def leave(code: int) -> NoReturn:
 def run_and_leave(main: Callable[[], int | None]) -> NoReturn:
     """`main()`, then `leave` with its exit code, also when it ends by `SystemExit` (an
     argument error, say) or by Ctrl-C (130, the shell's status, without a traceback); any
-    other exception ends the process the usual way, traceback and all. The entry point of
-    every ShardRL process (`shardrl`, the Kubeflow tasks)."""
+    other exception ends the process the usual way, traceback and all, with credentials in
+    it masked (`redact.redact_tracebacks`). The entry point of every ShardRL process
+    (`shardrl`, the Kubeflow tasks)."""
+    from .redact import redact_tracebacks
+
+    redact_tracebacks()
     try:
         code = main() or 0
     except KeyboardInterrupt:  # Ctrl-C where the command has no handler of its own

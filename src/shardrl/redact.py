@@ -9,6 +9,9 @@ writes down (configs, run.json, logs, MLflow params and tags, messages) gets the
 from __future__ import annotations
 
 import re
+import sys
+import threading
+import traceback
 
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 """A URL's `user:password@`, up to its last `@` before the path (a password may hold `@`)."""
@@ -31,3 +34,24 @@ def has_userinfo(url: str) -> bool:
 def without_userinfo(url: str) -> str:
     """`url` without its `user:password@` (a link needs no credentials)."""
     return _USERINFO.sub(r"\g<scheme>", url, count=1)
+
+
+def _print_redacted(kind, value, tb, header: str = "") -> None:
+    sys.stderr.write(header + redacted("".join(traceback.format_exception(kind, value, tb))))
+    sys.stderr.flush()
+
+
+def _thread_hook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as the default hook: a thread's exit is no error
+        return
+    name = args.thread.name if args.thread is not None else "unknown"
+    _print_redacted(args.exc_type, args.exc_value, args.exc_traceback,
+                    f"Exception in thread {name}:\n")
+
+
+def redact_tracebacks() -> None:
+    """Print the tracebacks of uncaught exceptions, in the main thread and in the others,
+    with credentials masked: a library's error may quote an address with `user:password@`
+    in it (an MLflow server that refuses the request, say)."""
+    sys.excepthook = _print_redacted
+    threading.excepthook = _thread_hook

@@ -260,3 +260,79 @@ def test_temporary_credentials_take_their_session_token(monkeypatch):
     assert (credentials.access_key, credentials.session_token) == ("ASIAEXAMPLE", "token-from-sts")
     assert "token-from-sts" not in repr(store)
     assert store.reopened()._client._provider.retrieve().session_token == "token-from-sts"
+
+
+def test_a_store_uri_with_credentials_is_refused_without_echoing_them(tmp_path, capsys):
+    """`--store s3://KEY:SECRET@bucket/prefix` would be quoted in errors, run.json and logs."""
+    from shardrl.cli import main as cli_main
+    from shardrl.config import ConfigError, load_config
+    from shardrl.store import StoreURIError, open_store
+
+    uri = "s3://AKIAEXAMPLE:hunter22@bucket/exp"
+    with pytest.raises(StoreURIError) as caught:
+        open_store(uri)
+    assert "hunter22" not in str(caught.value) and "holds credentials" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config("demo", [f"store.uri={uri}"])
+    assert "hunter22" not in str(caught.value) and "holds credentials" in str(caught.value)
+    for argv in (["run", "demo", "--store", uri, "--no-report"], ["replay", "r1", "--store", uri]):
+        assert cli_main(argv) == 1
+        captured = capsys.readouterr()
+        assert "holds credentials" in captured.err
+        assert "hunter22" not in captured.err + captured.out
+    for command in ("doctor", "report", "samples"):  # one line through SystemExit
+        with pytest.raises(SystemExit) as exited:
+            cli_main([command, "r1", "--store", uri])
+        assert "holds credentials" in str(exited.value.code)
+        assert "hunter22" not in str(exited.value.code) + "".join(capsys.readouterr())
+
+
+def test_an_unreachable_mlflow_is_one_masked_line_and_leaves_no_run(tmp_path):
+    """MLflow's own error quotes the tracking URI, credentials and all: the runner says it in
+    one line with them masked, exits 1, and the run id stays free for the next try."""
+    env = dict(os.environ, MLFLOW_TRACKING_URI="http://bot:hunter22@127.0.0.1:9",
+               MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    res = subprocess.run([sys.executable, "-m", "shardrl.cli", "run", "demo", "--run-id", "m1",
+                          "--store", str(tmp_path / "store"), "--no-report"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "hunter22" not in res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardrl run: MLflow at http://***@127.0.0.1:9 "
+                                                   "failed: ")
+    assert "set tracking.enabled=false" in lines[0] and "Traceback" not in res.stderr
+    assert not (tmp_path / "store" / "runs" / "m1" / "state" / "runner" / "started.json").exists()
+
+
+def test_uncaught_errors_are_masked_in_every_thread():
+    """Tracebacks no ShardRL handler catches, of the main thread (every entry point goes
+    through `run_and_leave`) and of other threads, have credentials masked."""
+    code = ("import threading\n"
+            "from shardrl.cli import run_and_leave\n"
+            "def boom(): raise RuntimeError('API request to https://ci:hunter22@m.example failed')\n"
+            "def main():\n"
+            "    t = threading.Thread(target=boom, name='side'); t.start(); t.join()\n"
+            "    boom()\n"
+            "run_and_leave(main)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1
+    assert "hunter22" not in res.stderr
+    assert "Exception in thread side:" in res.stderr
+    assert res.stderr.count("RuntimeError: API request to https://***@m.example failed") == 2
+
+
+def test_commands_that_read_a_run_say_a_store_problem_in_one_line(monkeypatch, capsys):
+    """Missing credentials or a malformed run id: one line, not a traceback."""
+    from shardrl.cli import main as cli_main
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "SHARDRL_AWS_ACCESS_KEY_ID",
+                 "SHARDRL_AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["doctor", "r1", "--store", "s3://some-bucket/x"])
+    assert str(exited.value.code).startswith("shardrl: no credentials for bucket 'some-bucket'")
+    assert cli_main(["replay", "r1", "--store", "s3://some-bucket/x"]) == 1
+    assert capsys.readouterr().err.startswith("shardrl replay: no credentials for bucket")
+    assert cli_main(["replay", "../x", "--store", "s3://some-bucket/x"]) == 2
+    assert "run_id must match" in capsys.readouterr().err

@@ -34,12 +34,21 @@ def run(args) -> int:
     from ..config.loader import apply_override, validate
     from ..stages.context import setup_logging
     from ..stages.learn.replay import REPLAYABLE, Replay
-    from ..store import RunKeys, open_store
+    from ..store import RunKeys, StoreError, open_store
 
     setup_logging("replay", 0)
-    store = open_store(args.store or RunConfig().store.uri)
-    source = RunKeys(args.run)
-    if not store.exists(source.run_json()):
+    try:
+        source = RunKeys(args.run)
+    except ValueError as exc:
+        print(f"shardrl replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store = open_store(args.store or RunConfig().store.uri)
+        found = store.exists(source.run_json())
+    except StoreError as exc:  # a bad URI, missing credentials or bucket, a store down
+        print(f"shardrl replay: {exc}", file=sys.stderr)
+        return 1
+    if not found:
         print(f"shardrl replay: no run {args.run!r} in {store.uri}", file=sys.stderr)
         return 2
     if args.verify and args.overrides:

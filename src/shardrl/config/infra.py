@@ -24,6 +24,12 @@ class RetryConfig(Section):
     """Give up (and fail the stage with a clear message) after this long."""
 
 
+STORE_CREDENTIALS = (
+    "the store URI holds credentials (user:password@), which would be copied into run.json, "
+    "logs and the pipelines' parameters: give s3://bucket/prefix alone and the credentials in "
+    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (a Kubernetes secret in a cluster)")
+
+
 class StoreConfig(Section):
     """Object store shared by all stages."""
 
@@ -31,6 +37,13 @@ class StoreConfig(Section):
     """A folder path or file:// URI (local), or s3://bucket/prefix (credentials from the env)."""
     retry: RetryConfig = RetryConfig()
     """Retry policy for transient errors."""
+
+    @field_validator("uri")
+    @classmethod
+    def _no_credentials(cls, uri: str) -> str:
+        if has_userinfo(uri):  # the message must not repeat it
+            raise ValueError(STORE_CREDENTIALS)
+        return uri
 
 
 class TrackingConfig(Section):

@@ -19,7 +19,7 @@ import pyarrow as pa
 import yaml
 
 from ..config import RunConfig
-from ..store import NotFound, RunKeys, Store, StoreURIError, open_store, read_columns
+from ..store import NotFound, RunKeys, Store, StoreError, open_store, read_columns
 from ..store.keys import metrics_writer
 
 log = logging.getLogger("shardrl.doctor")
@@ -263,16 +263,17 @@ def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
     """The run `run_id` in `store_uri` (default: the config's default store), or None when the
     store holds no `run.json` for it."""
     try:
-        store = open_store(store_uri or RunConfig().store.uri)
-    except StoreURIError as exc:  # every command that reads a run: one line, not a trace
-        raise SystemExit(f"shardrl: {exc}") from None
-    try:
         keys = RunKeys(run_id)
     except ValueError:
         return None
-    if not store.exists(keys.run_json()):
-        return None
-    return RunHandle(store, keys, tolerant_config(store.get_json(keys.run_json())["config"]))
+    try:
+        store = open_store(store_uri or RunConfig().store.uri)
+        if not store.exists(keys.run_json()):
+            return None
+        return RunHandle(store, keys, tolerant_config(store.get_json(keys.run_json())["config"]))
+    except StoreError as exc:  # every command that reads a run: one line, not a trace (a bad
+        # URI, missing credentials or bucket, a store down past the retry deadline)
+        raise SystemExit(f"shardrl: {exc}") from None
 
 
 def tolerant_config(data: dict) -> RunConfig:

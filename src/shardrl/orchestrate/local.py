@@ -35,7 +35,7 @@ from ..store import (
 )
 from ..store.base import json_bytes
 from ..store.records import Aborted
-from ..tracking.mlflow_run import RunIdTaken
+from ..tracking.mlflow_run import RunIdTaken, TrackingUnavailable
 from .fork import Forked, fork_stage
 from .rss import PeakRss, record
 
@@ -359,12 +359,15 @@ def run(args) -> int:
         lr = prepare_run(args)
         try:
             monitor = Monitor(lr, progress_bar=not args.no_progress)
-        except RunIdTaken:  # an earlier run's id: this run never started, leave no mark of it
+        except (RunIdTaken, TrackingUnavailable):  # this run never started: leave no mark
             if lr.new:
                 lr.store.delete(started_key(lr.keys))
             raise
     except (ConfigError, RunIdTaken) as exc:
         print(exc, file=sys.stderr)
+        return 1
+    except TrackingUnavailable as exc:
+        print(f"shardrl run: {exc}", file=sys.stderr)
         return 1
     except StoreUnavailable as exc:
         print(f"shardrl run: {exc}", file=sys.stderr)

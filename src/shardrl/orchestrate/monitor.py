@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
-from ..tracking.mlflow_run import client, find_or_create_run, log_points, redacted, tracking_uri
+from ..tracking.mlflow_run import log_points, open_run, redacted, tracking_uri
 from .accounting import account
 from .forward import Forwarder, metric_writers
 
@@ -39,8 +39,7 @@ class Monitor:
         """(version, summary) of the newest evaluation seen."""
         self.mlflow = None
         if lr.cfg.tracking.enabled:
-            self.client = client(lr.cfg)
-            self.mlflow = find_or_create_run(lr.cfg, lr.run_id, self.client, new=lr.new)
+            self.client, self.mlflow = open_run(lr.cfg, lr.run_id, new=lr.new)
 
     def say(self, text: str) -> None:
         (self.bar.write if self.bar else print)(text)

@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +20,7 @@ from ..config import RunConfig, load_config, validate
 from ..config.loader import apply_override, resolve_mapping
 from ..lifetime import running
 from ..quiet import quiet_libraries
-from ..redact import redacted
+from ..redact import redact_tracebacks, redacted
 from ..store import RunKeys, Store, open_store, write_shard
 from ..store.base import RetryPolicy
 from ..store.records import Aborted, PolicyPointer
@@ -72,9 +71,7 @@ def setup_logging(stage: str, worker: int) -> logging.Logger:
                                             datefmt="%H:%M:%S"))
     logging.basicConfig(level=os.environ.get("SHARDRL_LOG_LEVEL", "INFO"), handlers=[handler],
                         force=True)
-    # an uncaught exception's traceback too
-    sys.excepthook = lambda kind, value, tb: sys.stderr.write(
-        redacted("".join(traceback.format_exception(kind, value, tb))))
+    redact_tracebacks()  # an uncaught exception's traceback too
     return logging.getLogger(f"shardrl.{stage}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from shardrl.redact import has_userinfo
 from shardrl.store.base import (
     NotFound,
     PermanentStoreError,
@@ -39,6 +40,10 @@ from shardrl.store.shards import (
 def open_store(uri: str, retry: RetryPolicy | None = None) -> Store:
     """`s3://bucket/prefix` -> S3Store (credentials from the environment);
     `file:///abs/path` or a plain path -> LocalStore. `retry` applies to S3 only."""
+    if has_userinfo(uri):  # before anything quotes it
+        raise StoreURIError(
+            "the store URI holds credentials (user:password@): give s3://bucket/prefix alone "
+            "and the credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
     scheme = urlsplit(uri).scheme
     if scheme == "s3":
         from shardrl.store.s3 import S3Store  # the minio SDK only when needed

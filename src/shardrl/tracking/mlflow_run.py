@@ -54,6 +54,27 @@ class RunIdTaken(Exception):
     """A new pipeline run's id already tags an MLflow run (of an earlier run by that id)."""
 
 
+class TrackingUnavailable(Exception):
+    """MLflow could not be reached or refused to open the run; the message has credentials
+    masked."""
+
+
+def open_run(cfg: RunConfig, run_id: str, new: bool = False):
+    """(client, MLflow run id) of the pipeline run `run_id` (see `find_or_create_run`); an
+    MLflow that cannot be reached or refuses is `TrackingUnavailable`, in one line."""
+    try:
+        c = client(cfg)
+        return c, find_or_create_run(cfg, run_id, c, new=new)
+    except RunIdTaken:
+        raise
+    except Exception as exc:  # MLflow's own errors, or its HTTP client's
+        first = redacted(str(exc)).strip().splitlines()
+        raise TrackingUnavailable(
+            f"MLflow at {redacted(tracking_uri(cfg))} failed: {type(exc).__name__}: "
+            f"{first[0] if first else ''} (start it, fix tracking.uri or MLFLOW_TRACKING_URI, "
+            f"or set tracking.enabled=false)") from None
+
+
 def find_or_create_run(cfg: RunConfig, run_id: str, c=None, new: bool = False) -> str:
     """The MLflow run id tagged with this pipeline run id (created with params if missing).
 
