@@ -73,6 +73,11 @@ def test_halving_k_drops_a_buffered_shard_as_stale_and_accounts_for_it(tmp_path,
     assert stale_rows == acc.stale_dropped
     done = store.get_json(keys.done())
     assert done["steps"] == STEPS and done["counts"]["stale_dropped"] == ROWS
-    # the learner logs the k in force after each step, and the drop in its running count
-    assert learner_metric(tmp_path / "store", run_id, "k") == pytest.approx([2, 2, 2, 2, 1, 1])
+    # the learner logs, with each step's staleness, the k that admitted its batch (the k at
+    # the version it started from: never below the staleness logged beside it), and the
+    # drop in its running count
+    assert learner_metric(tmp_path / "store", run_id, "k") == pytest.approx([2, 2, 2, 2, 2, 1])
+    lags = learner_metric(tmp_path / "store", run_id, "staleness_max")
+    assert all(lag <= k for lag, k in zip(lags, learner_metric(tmp_path / "store", run_id, "k"),
+                                          strict=True)) and max(lags) == 2
     assert learner_metric(tmp_path / "store", run_id, "stale_dropped")[-1] == ROWS

@@ -159,6 +159,36 @@ def test_corrupt_and_wrong_schema_shards_are_quarantined_with_their_reason(run):
     assert acc.unreadable_quarantined_shards == 1 and acc.balanced
 
 
+def test_a_null_inside_a_token_list_is_quarantined_not_a_crash_loop(run):
+    """Parquet lists may hold null items, which no tensor can: a shard with one is refused
+    on reading (a SchemaError, quarantined) instead of failing the stage at every restart."""
+    store, cfg, run_id, template = run
+    keys = RunKeys(run_id)
+    logprobs = template.column("behavior_logprobs").to_pylist()
+    logprobs[3] = [None] + logprobs[3][1:]
+    sink = io.BytesIO()
+    pq.write_table(with_column(template, "behavior_logprobs", logprobs), sink)
+    store.put_bytes(keys.rollout(0, 0, 0), sink.getvalue())
+    write_shard(store, keys.rollout(0, 0, 1), template, ROLLOUT)
+    write_shard(store, keys.rollout(0, 0, 2), template, ROLLOUT)  # good all the way
+    assert run_stage(store, cfg, run_id, "score") == 0
+    assert run_stage(store, cfg, run_id, "prepare") == 0
+    # a ready shard whose token ids hold a null, read by the learner
+    ready = read_shard(store, keys.shard("ready", 0, 0, 1), READY)
+    tokens = ready.column("response_token_ids").to_pylist()
+    tokens[0] = tokens[0][:1] + [None] + tokens[0][1:]
+    sink = io.BytesIO()
+    pq.write_table(with_column(ready, "response_token_ids", tokens), sink)
+    store.put_bytes(keys.shard("ready", 0, 0, 1), sink.getvalue())
+    assert run_stage(store, cfg, run_id, "learn") == 0
+    q = keys.root + "quarantine/"
+    for stage, kind in (("score", "rollouts"), ("learn", "ready")):
+        seq = 0 if stage == "score" else 1
+        error = error_of(store, q + f"{stage}/{kind}/v000000/w00-{seq:06d}.parquet")
+        assert error["error_type"] == "SchemaError" and "null item" in error["message"], error
+    assert store.get_json(keys.state("learn", "progress.json"))["version"] == 1  # on seq 2
+
+
 def test_non_finite_logprobs_and_empty_responses_cost_only_their_rows(run):
     store, cfg, run_id, template = run
     keys = RunKeys(run_id)

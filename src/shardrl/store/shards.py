@@ -139,10 +139,14 @@ def conform(table: pa.Table, schema: pa.Schema, episodic: bool | None = None) ->
 
 
 def _check_nulls(table: pa.Table, schema: pa.Schema) -> None:
-    """SchemaError if a column that `schema` makes non-nullable holds nulls."""
+    """SchemaError if a column that `schema` makes non-nullable holds nulls, or a list
+    column (token ids, logprobs: one per token) holds a null item in a list: every reader
+    pads them into tensors, which have no null."""
     for field, column in zip(schema, table.columns, strict=True):
         if not field.nullable and column.null_count:
             raise SchemaError(f"column {field.name!r} must not be null ({column.null_count} nulls)")
+        if pa.types.is_list(field.type) and (items := pc.list_flatten(column).null_count):
+            raise SchemaError(f"column {field.name!r} holds {items} null item(s) in its lists")
 
 
 CODEC = "lz4"

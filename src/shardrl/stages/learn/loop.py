@@ -272,6 +272,7 @@ class Learner:
         table = pa.concat_tables([t for _, t in admitted])
         kept = table.filter(table.column("keep"))
         lag = self.version - pc.min(table.column("policy_version")).as_py()
+        k = self.k()  # the bound that admitted this batch (the commit moves the version)
         self.in_step = True
         if self.backend.world_size > 1:
             ranks.Plan(self.version, self.kl.beta, [key for key, _ in admitted]).send(self.backend)
@@ -292,7 +293,7 @@ class Learner:
                     applied=applied)
         self.in_step = False
         metrics.update(
-            beta=self.kl.beta, staleness_max=float(lag), k=float(self.k()),
+            beta=self.kl.beta, staleness_max=float(lag), k=float(k),
             stale_dropped=float(self.ledger.counts["stale_dropped"]),
             skipped_steps=float(self.ledger.counts["skipped_steps"]),
             **self.profile.step_metrics(started, updated, time.monotonic(), len(kept), tokens),
