@@ -13,6 +13,7 @@ from safetensors.torch import load as st_load
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
 from ...models.delta import publish_state, state_bytes
+from ...models.dropout import disable_dropout
 from ...store.records import Aborted, Done, LearnerRestart, Progress, Taken
 from ...store.schemas import READY
 from ...store.shards import read_shard
@@ -66,6 +67,8 @@ class Learner:
 
             self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
                                   lora.target_modules, seed=cfg.seed)
+        if off := disable_dropout(self.model):  # as the engines sample (see `models.dropout`)
+            ctx.log.info("dropout off in %d module(s) of the policy while it trains", off)
         checkpoint_activations(cfg, self.model)
         self.model.train()
         self.pad_id = tok.pad_token_id
@@ -121,6 +124,7 @@ class Learner:
             from ..policy import load_reference
 
             critic = Critic.from_causal_lm(load_reference(store, keys, ctx.cache_dir())[0])
+            disable_dropout(critic)
         if self.version > 0:  # weights go in before the backend takes the modules over
             published = fetch_weights(store, keys, self.version)
             latest = latest_checkpoint(store, keys)
