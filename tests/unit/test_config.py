@@ -205,3 +205,44 @@ def test_micro_batches_need_the_torch_backend_and_group_advantages(name, value):
         load_config("ppo-rlhf", [f"learner.{name}={value}"])
     (err,) = info.value.errors
     assert f"`learner.{name}` does not support GAE" in err.message
+
+
+def test_verifier_and_environment_names_are_checked_before_anything_runs(tmp_path):
+    """A misspelt verifier or environment used to validate and then fail every rollout
+    worker after the snapshot; a sandboxed `task` verifier likewise."""
+    with pytest.raises(ConfigError) as caught:
+        load_config("demo", ["reward.verifiers=[{name: exact_mach}]"])
+    assert "verifier 'exact_mach' is neither a registered name (did you mean 'exact_match'?)" \
+        in str(caught.value)
+    with pytest.raises(ConfigError, match="did you mean 'calculator'"):
+        load_config("demo", ["task.environment=calculatr"])
+    with pytest.raises(ConfigError, match="the task's own checker runs in process"):
+        load_config("demo", ["reward.verifiers=[{name: task, sandboxed: true}]"])
+    ok = load_config("demo", ["reward.verifiers=[{name: python_exec}, {name: 'my.mod:fn', "
+                              "sandboxed: true}]", "task.environment=pkg.envs:Shop"])
+    assert [v.name for v in ok.reward.verifiers] == ["python_exec", "my.mod:fn"]
+
+
+def test_the_runner_finds_user_code_before_the_snapshot(tmp_path, capsys, monkeypatch):
+    """A dotted path whose module is not on the import path stops `shardrl run` in one line,
+    before anything is trained, and leaves the run id free; one that is found runs none of
+    its code here."""
+    from shardrl.cli import main as cli_main
+    from shardrl.orchestrate.local import find_user_code
+
+    store = tmp_path / "store"
+    code = cli_main(["run", "demo", "--store", str(store), "--run-id", "u1", "--no-report",
+                     "--set", "reward.verifiers=[{name: 'nowhere.mod:fn', sandboxed: true}]"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "cannot load verifier 'nowhere.mod:fn': no module named 'nowhere.mod'" in err
+    assert not (store / "runs" / "u1" / "run.json").exists()
+    assert not (store / "runs" / "u1" / "state" / "runner" / "started.json").exists()
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    (tmp_path / "userpkg" / "envs.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    find_user_code(load_config("demo", ["task.environment=userpkg.envs:Shop",
+                                        "reward.verifiers=[{name: 'userpkg.envs:f'}]"]))
+    with pytest.raises(Exception, match="cannot load environment 'userpkg.nope:Shop'"):
+        find_user_code(load_config("demo", ["task.environment=userpkg.nope:Shop"]))

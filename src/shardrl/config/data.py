@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -56,6 +58,20 @@ class DatasetTask(Section):
 TaskSource = Annotated[BuiltinTask | DatasetTask, Field(discriminator="kind")]
 
 
+DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""`package.module:attribute`: user code, found where the stage runs."""
+
+
+def _registered_name(kind: str, name: str, known: list[str], dotted: str) -> str:
+    """`name` when it is one of `known` or a dotted path; else a ValueError saying what is."""
+    if name in known or DOTTED.match(name):
+        return name
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{kind} {name!r} is neither a registered name{hint}: one of "
+                     f"{', '.join(known)}, nor a dotted path `{dotted}`")
+
+
 class VerifierSpec(Section):
     """One verifier: a registered name or a dotted path `package.module:function`."""
 
@@ -66,6 +82,20 @@ class VerifierSpec(Section):
     """Weight in the composite reward."""
     sandboxed: bool = False
     """Run in a subprocess with CPU, memory and wall-clock limits (always on for python_exec)."""
+
+    @model_validator(mode="after")
+    def _known(self) -> VerifierSpec:
+        from ..tasks.verifiers import SANDBOXED_ONLY, VERIFIERS
+
+        if self.name == "task":
+            if self.sandboxed:
+                raise ValueError("the task's own checker runs in process: set `sandboxed: "
+                                 "false` for verifier 'task', or name a dotted-path verifier")
+            return self
+        _registered_name("verifier", self.name,
+                         ["task", *sorted(set(VERIFIERS) | set(SANDBOXED_ONLY))],
+                         "package.module:function")
+        return self
 
 
 class RewardModelSpec(Section):
@@ -120,6 +150,15 @@ class TaskConfig(Section):
     ('calculator', 'guess', 'python': a Python interpreter run in the sandbox under
     `reward.sandbox`'s limits) or `package.module:Class` (`tasks.environments`). The episode's
     reward is the sum of its turns' rewards. None: one response per sample, verified."""
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> TaskConfig:
+        if self.environment is not None:
+            from ..tasks.environments import ENVIRONMENTS
+
+            _registered_name("environment", self.environment, sorted(ENVIRONMENTS),
+                             "package.module:Class")
+        return self
 
     @model_validator(mode="after")
     def _episode_tasks_need_an_environment(self) -> TaskConfig:

@@ -352,18 +352,44 @@ def one_shot(lr: LocalRun, name: str) -> int:
     return 0
 
 
+class UserCodeMissing(Exception):
+    """A verifier or environment given as `package.module:name` whose module is not found."""
+
+
+def find_user_code(cfg: RunConfig) -> None:
+    """The modules of the verifiers and environment given as dotted paths are on this
+    machine's import path, where the stages will look for them (found without running any
+    of their code): a typo is said before the snapshot spends its time, not after it by
+    rollout workers failing over and over."""
+    from ..config.data import DOTTED
+    from ..tasks.verifiers import VerifierError, locate_dotted
+
+    named = [("verifier", v.name) for v in cfg.reward.verifiers]
+    named += [("environment", cfg.task.environment)] if cfg.task.environment else []
+    for kind, name in named:
+        if not DOTTED.match(name):
+            continue
+        try:
+            locate_dotted(name)
+        except VerifierError as exc:
+            why = str(exc).split(": ", 1)[-1]
+            raise UserCodeMissing(f"shardrl run: cannot load {kind} {name!r}: {why} (on the "
+                                  f"import path here: install it or set PYTHONPATH)") from None
+
+
 def run(args) -> int:
     from .monitor import Monitor
 
     try:
         lr = prepare_run(args)
         try:
+            find_user_code(lr.cfg)
             monitor = Monitor(lr, progress_bar=not args.no_progress)
-        except (RunIdTaken, TrackingUnavailable):  # this run never started: leave no mark
-            if lr.new:
+        except (RunIdTaken, TrackingUnavailable, UserCodeMissing):  # this run never
+            if lr.new:  # started: leave no mark
                 lr.store.delete(started_key(lr.keys))
             raise
-    except (ConfigError, RunIdTaken) as exc:
+    except (ConfigError, RunIdTaken, UserCodeMissing) as exc:
         print(exc, file=sys.stderr)
         return 1
     except TrackingUnavailable as exc:
