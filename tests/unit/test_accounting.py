@@ -106,3 +106,31 @@ def test_a_delta_written_without_its_progress_record_is_not_committed(tmp_path):
     acc = account(store, keys)
     assert (acc.consumed, acc.filtered, acc.unconsumed) == (8, 2, 0)
     assert acc.balanced, acc.line()
+
+
+def test_a_shard_nobody_can_read_is_not_counted_as_empty(tmp_path):
+    """A generated shard, not quarantined, that is not Parquet cannot be counted: the balance
+    does not hold, and says which shard; a store that fails while counting raises instead of
+    counting its shards as empty."""
+    import pytest
+
+    from shardrl.store import StoreUnavailable
+
+    store, keys = LocalStore(tmp_path), RunKeys("r")
+    write_shard(store, keys.ready_for(keys.rollout(0, 0, 0)), rows(4, 0), READY)
+    rotten = keys.ready_for(keys.rollout(0, 0, 1))
+    store.put_bytes(rotten, b"PAR1 not really")
+    acc = account(store, keys)
+    assert (acc.generated, acc.unconsumed) == (4, 4)  # the readable one
+    assert acc.unreadable_shards == [rotten] and not acc.balanced
+    assert "1 generated shard(s) unreadable, e.g. " + rotten in acc.line()
+    quarantine(store, rotten, "learn", ValueError("bad"))  # the learner moves it away
+    acc = account(store, keys)
+    assert acc.balanced and acc.unreadable_quarantined_shards == 1
+
+    class Down(LocalStore):
+        def get_bytes(self, key):
+            raise StoreUnavailable("the store stopped answering")
+
+    with pytest.raises(StoreUnavailable):
+        account(Down(tmp_path), keys)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import io
 from dataclasses import asdict, dataclass, field
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..store import RunKeys, Store
+from ..store import NotFound, RunKeys, Store
 from ..store.keys import parse_shard_key
 from ..store.records import Progress, committed_deltas
 from ..store.shards import shards_by_name
@@ -24,11 +25,14 @@ class Accounting:
     unconsumed: int = 0
     duplicate_shards: list[str] = field(default_factory=list)
     unreadable_quarantined_shards: int = 0
+    unreadable_shards: list[str] = field(default_factory=list)
+    """Generated shards, not quarantined, that cannot be read as Parquet: rows nobody can
+    count, so the balance cannot be said to hold."""
 
     @property
     def balanced(self) -> bool:
         rhs = self.consumed + self.stale_dropped + self.filtered + self.quarantined + self.unconsumed
-        return self.generated == rhs and not self.duplicate_shards
+        return self.generated == rhs and not self.duplicate_shards and not self.unreadable_shards
 
     def as_dict(self) -> dict:
         return asdict(self) | {"balanced": self.balanced}
@@ -37,13 +41,22 @@ class Accounting:
         return (f"generated {self.generated} = consumed {self.consumed} + stale_dropped "
                 f"{self.stale_dropped} + filtered {self.filtered} + quarantined "
                 f"{self.quarantined} + unconsumed {self.unconsumed}"
-                f"  [{'holds' if self.balanced else 'DOES NOT HOLD'}]")
+                f"  [{'holds' if self.balanced else 'DOES NOT HOLD'}]"
+                + (f" ({len(self.unreadable_shards)} generated shard(s) unreadable, e.g. "
+                   f"{self.unreadable_shards[0]})" if self.unreadable_shards else ""))
 
 
 def _rows(store: Store, key: str) -> int | None:
+    """Rows of the Parquet shard at `key`; None if it is not readable as Parquet, or gone
+    (moved to quarantine since the listing). A store that fails raises: a shard the store
+    cannot serve now is not a shard with no rows."""
     try:
-        return pq.ParquetFile(io.BytesIO(store.get_bytes(key))).metadata.num_rows
-    except Exception:
+        data = store.get_bytes(key)
+    except NotFound:
+        return None
+    try:
+        return pq.ParquetFile(io.BytesIO(data)).metadata.num_rows
+    except (pa.ArrowException, ValueError, OSError):
         return None
 
 
@@ -51,7 +64,8 @@ def account(store: Store, keys: RunKeys) -> Accounting:
     acc = Accounting()
     # every generated shard: its rollout shard, or its ready shard alone (inline_shards)
     generated = shards_by_name(store, keys, ("rollouts", "ready"))
-    rows = {name: _rows(store, key) or 0 for name, key in generated.items()}
+    found = {name: _rows(store, key) for name, key in generated.items()}
+    rows = {name: n or 0 for name, n in found.items()}
     # the ledger: every shard the learner committed, exactly once; the counts of the same
     # commits (a delta written just before the learner stopped, without its progress.json,
     # is not committed: its shards count as unconsumed)
@@ -87,5 +101,8 @@ def account(store: Store, keys: RunKeys) -> Accounting:
         acc.generated += n or 0
         acc.quarantined += n or 0
     acc.generated += sum(rows.values())
+    acc.unreadable_shards = sorted(generated[name] for name, n in found.items()
+                                   if n is None and name not in quarantined
+                                   and store.exists(generated[name]))
     acc.unconsumed = sum(n for name, n in rows.items() if name not in seen and name not in quarantined)
     return acc
