@@ -436,6 +436,57 @@ def test_a_worker_stopped_while_paused_resumes_with_its_last_batch_counted(run, 
     assert state.next_seq == len(shards_by_name(store, RunKeys(run_id), ("ready",)))
 
 
+def test_a_worker_stopped_before_its_next_reservation_counts_its_last_batch(run, monkeypatch):
+    """The counts that include a batch are stored with the next reservation, or as the
+    worker pauses: one stopped between its batch's writes and either (here as it reads the
+    learner's progress for the next batch) counts that batch's shards when it starts again,
+    instead of running ahead of its cap by them for good."""
+    import time
+
+    from shardrl.stages import Stopped, rollout
+
+    store, cfg, run_id, _ = run
+    keys = RunKeys(run_id)
+    reads = []
+    real = rollout.Progress.read.__func__
+
+    def read(cls, st, key, optional=False):
+        if key == keys.progress():
+            reads.append(key)
+            if len(reads) == 2:  # the top of the second batch: the first one's writes queued
+                time.sleep(0.5)  # (they finish meanwhile)
+                raise Stopped(143)
+        return real(cls, st, key, optional)
+
+    monkeypatch.setattr(rollout.Progress, "read", classmethod(read))
+    monkeypatch.setattr(rollout.Flow, "full", lambda self, progress: False)
+    ctx = context(store, cfg, run_id, "rollout")
+    ctx.once = False
+    with pytest.raises(Stopped):
+        rollout.main(ctx)
+    shards = [read_shard(store, k, READY)
+              for k in shards_by_name(store, keys, ("ready",)).values()]
+    groups = sum(len(set(t.column("group_id").to_pylist())) for t in shards)
+    kept = sum(len(set(t.filter(t.column("keep")).column("group_id").to_pylist()))
+               for t in shards)
+    stored = WorkerState.read(store, keys.worker_state(0))
+    assert groups > 0 and (stored.groups_written, stored.reserved_from) == (0, 0)
+    assert stored.next_seq == len(shards)
+    # started again: its counts include the batch
+    seen = []
+    monkeypatch.setattr(rollout.Progress, "read", classmethod(real))
+    monkeypatch.setattr(rollout.Flow, "full", lambda self, progress: seen.append(
+        (self.groups, self.kept)) or True)
+    monkeypatch.setattr(rollout.Flow, "pause", lambda self, timeout: None)
+    monkeypatch.setattr(StageContext, "done", lambda self: len(seen) >= 1)
+    ctx = context(store, cfg, run_id, "rollout")
+    ctx.once = False
+    rollout.main(ctx)
+    assert seen == [(groups, kept)]
+    again = WorkerState.read(store, keys.worker_state(0))  # stored as it paused
+    assert (again.groups_written, again.kept_written, again.reserved_from) == (groups, kept, None)
+
+
 def test_a_failed_shard_write_stops_a_worker_about_to_pause(run, monkeypatch):
     """A worker whose backlog is full checks its last batch's writes before it waits: a
     failed write surfaces at once instead of leaving it paused on a backlog that counts the

@@ -14,8 +14,8 @@ from ..config.stages import StandbyConfig
 from ..store import RunKeys, Store
 from ..store.keys import parse_shard_key
 from ..store.records import Buffered, Progress, RetiredChange, Taken, WorkerState
-from ..store.schemas import ROLLOUT
-from ..store.shards import write_shard
+from ..store.schemas import READY, ROLLOUT
+from ..store.shards import ShardError, read_shard, write_shard
 from ..tasks.source import make_task
 from .channel import Channel
 from .context import StageContext
@@ -55,7 +55,10 @@ def main(ctx: StageContext) -> int:
     base = ctx.preload_policy()  # while the snapshot evaluates v0, if it still runs
     ctx.wait_for_run()
     state_key = keys.worker_state(ctx.worker)
-    state = WorkerState.read(store, state_key)
+    saved = WorkerState.read(store, state_key)
+    state = resumed_counts(ctx, saved, cfg.inline_postprocess)
+    if state != saved:
+        state.write(store, state_key)
     post = None
     if cfg.inline_postprocess:
         from .inline import InlinePostprocess
@@ -113,7 +116,8 @@ def main(ctx: StageContext) -> int:
             # several shards in one generation batch when the backlog has room for them
             first, n = state.next_seq, flow.batch(progress)
             # reserve the sequence numbers first: a crash leaves gaps, never two shards with one name
-            state = WorkerState(next_seq=first + n, version=engine.version, **flow.state())
+            state = WorkerState(next_seq=first + n, version=engine.version, reserved_from=first,
+                                **flow.state())
             # the state's counts include the previous batch's shards: it is stored only once
             # they are (the writer runs in order, so they have finished by then)
             reserved = writer.submit(_store_state, list(writes), state, store, state_key)
@@ -179,6 +183,40 @@ def main(ctx: StageContext) -> int:
                          "the channel %s)", engine.from_channel, channel.path)
     _settled(writes)
     return 0
+
+
+def resumed_counts(ctx: StageContext, state: WorkerState, inline: bool) -> WorkerState:
+    """`state` with the reserved shards the worker wrote before it stopped counted (their
+    groups, and kept groups with `inline` post-processing): the counts that include a batch
+    are stored only as the worker pauses or reserves its next batch, and a worker stopped in
+    between would otherwise run ahead of its cap by that batch for good. A shard a stage has
+    quarantined since counts too (the worker subtracts it when it finds it there); one that
+    retention has deleted since cannot be counted."""
+    from .inline import kept_groups
+
+    if state.reserved_from is None:
+        return state
+    keys, store = ctx.keys, ctx.store
+    groups = kept = 0
+    for seq in range(state.reserved_from, state.next_seq):
+        key = keys.rollout(state.version, ctx.worker, seq)
+        last = keys.ready_for(key) if inline else key  # a worker's last write of a shard
+        found = [k for k in [last] + [keys.quarantine(s, last) for s in LOST_STAGES]
+                 if store.exists(k)]
+        if not found:
+            continue  # never written
+        try:
+            table = read_shard(store, found[0], READY if inline else ROLLOUT)
+        except ShardError:
+            continue  # unreadable: a stage quarantines it, and the worker no longer counts it
+        n = pc.count_distinct(table.column("group_id")).as_py()
+        groups += n
+        kept += kept_groups(table) if inline else n
+    ctx.log.info("counting %d prompt groups (%d kept) of shards %d-%d written before the "
+                 "worker stopped", groups, kept, state.reserved_from, state.next_seq - 1)
+    return state.model_copy(update={"groups_written": state.groups_written + groups,
+                                    "kept_written": state.kept_written + kept,
+                                    "reserved_from": None})
 
 
 def _settled(writes: list[Future]) -> list[Future]:

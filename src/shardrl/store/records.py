@@ -191,6 +191,10 @@ class WorkerState(Record):
     groups_written: int = 0
     kept_written: int = 0
     """Prompt groups written before the reserved shards (kept: when scored inline)."""
+    reserved_from: int | None = None
+    """The first of the reserved shards (up to `next_seq`) that the counts leave out: a
+    worker stopped after writing some of them counts those when it starts again. None: the
+    counts include every shard below `next_seq` (stored as it pauses)."""
 
 
 class PrepareState(Record):
