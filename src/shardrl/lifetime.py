@@ -64,3 +64,31 @@ def running(pid: int) -> bool:
     except PermissionError:  # alive, owned by another user
         pass
     return True
+
+
+def process_identity(pid: int) -> str | None:
+    """What tells process `pid` from a later process given the same pid: the boot's id and
+    the process's start time since boot (Linux `/proc`); None where that cannot be read
+    (no such process, or no `/proc`)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the fields after the command's name (which may hold spaces and parentheses); the
+    # start time is the 22nd field of the line, the 20th after the name
+    fields = stat[stat.rfind(")") + 2:].split()
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
+def still_running(pid: int, identity: str | None) -> bool:
+    """Whether process `pid` is running and is the process whose `process_identity` was
+    `identity` (None: not recorded, so any process with that pid counts)."""
+    if not running(pid):
+        return False
+    if identity is None:
+        return True
+    now = process_identity(pid)
+    return now is None or now == identity

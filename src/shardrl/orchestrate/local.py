@@ -19,7 +19,7 @@ import yaml
 
 from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
-from ..lifetime import die_with_parent, running
+from ..lifetime import die_with_parent, process_identity, still_running
 from ..redact import redacted
 from ..stages import EXIT_STORE_UNAVAILABLE
 from ..stages import channel as weights_channel
@@ -299,7 +299,8 @@ def claim(store: Store, keys: RunKeys, store_uri: str) -> None:
     left by a runner that has ended (or from another machine, which cannot be checked) is
     taken over."""
     key = started_key(keys)
-    mark = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    mark = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+            "process": process_identity(os.getpid())}
     if store.put_if_absent(key, json_bytes(mark)):
         return
     refuse_if_in_use(store, keys, store_uri)
@@ -313,8 +314,10 @@ def refuse_if_in_use(store: Store, keys: RunKeys, store_uri: str) -> None:
     except StoreError:  # none (NotFound), or unreadable: no runner to refuse for
         other = {}
     pid = other.get("pid")
+    # a pid alone could be another process's by now (reused after the runner ended, or pid
+    # 1 of a later container): the mark's process identity tells them apart
     if (other.get("host") == socket.gethostname() and isinstance(pid, int)
-            and pid != os.getpid() and running(pid)):
+            and pid != os.getpid() and still_running(pid, other.get("process"))):
         raise SystemExit(f"shardrl run: run {keys.run_id} in {store_uri} is in use by the "
                          f"runner with process id {pid} on this machine; wait for it, stop it, "
                          f"or pick another --run-id")
