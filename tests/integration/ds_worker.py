@@ -6,8 +6,8 @@ gradient norms, weights after two steps), after resuming from a checkpoint of ei
 and whether a non-finite loss left the weights alone.
 
 usage: torchrun --nproc_per_node N ds_worker.py OUT_DIR VARIANT [VARIANT ...]
-(VARIANT: a ZeRO stage 1, 2 or 3, with "+offload" for optimizer offload; or "critic":
-ZeRO-1 and ZeRO-3 training a critic too)
+(VARIANT: a ZeRO stage 1, 2 or 3, with "+offload" for optimizer offload; "+bf16" for a resume
+in bfloat16 (against DeepSpeed alone); or "critic": ZeRO-1 and ZeRO-3 training a critic too)
 """
 
 from __future__ import annotations
@@ -76,13 +76,43 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def deepspeed(variant: str, model: torch.nn.Module) -> DeepSpeedLearnerBackend:
-    """variant: the ZeRO stage, "+offload" for optimizer offload (e.g. "2+offload")."""
+def deepspeed(variant: str, model: torch.nn.Module, learner: LearnerConfig = LEARNER,
+              ) -> DeepSpeedLearnerBackend:
+    """variant: the ZeRO stage, "+offload" for optimizer offload (e.g. "2+offload"), "+bf16"
+    for bfloat16 training."""
     stage = int(variant[0])
-    cfg = DeepSpeedBackend(zero_stage=stage, offload_optimizer=variant.endswith("+offload"))
+    cfg = DeepSpeedBackend(zero_stage=stage, offload_optimizer=variant.endswith("+offload"),
+                           bf16=variant.endswith("+bf16"))
     # threshold 0: ZeRO-3 partitions even this tiny model's parameters
-    return DeepSpeedLearnerBackend(model, OptimSettings.from_config(LEARNER), cfg,
+    return DeepSpeedLearnerBackend(model, OptimSettings.from_config(learner), cfg,
                                    param_persistence_threshold=0 if stage == 3 else None)
+
+
+def masters(backend) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            for name, p in backend.policy.lm.named_parameters()}
+
+
+def check_bf16(variant: str, table: pa.Table) -> dict:
+    """Three steps in bfloat16 at a learning rate whose updates are below bfloat16's step
+    near 1 (the norms' weights), against one step, a resume from its checkpoint state and
+    two more: the float32 masters must come back, not their bfloat16 rounding."""
+    slow = LEARNER.model_copy(update={"lr": 1e-4})
+    through = deepspeed(variant, lm(), slow)
+    run_steps(through, 3, table)
+    first = deepspeed(variant, lm(), slow)
+    run_steps(first, 1, table)
+    state, after_one = first.state_dict(), weights(first)
+    resumed = deepspeed(variant, with_weights(after_one), slow)
+    resumed.load_state_dict(state)
+    run_steps(resumed, 2, table)
+    final, rounded = masters(through), weights(through)
+    return {"master_keys": sum(k.endswith("/fp32") for k in state),
+            "masters_diff": max_diff(masters(resumed), final),
+            "weights_diff": max_diff(weights(resumed), rounded),
+            "masters_off_weights": max_diff(final, rounded)}
 
 
 def with_weights(state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
@@ -164,8 +194,8 @@ def check_critic(stage: int, table: pa.Table) -> dict:
 def main() -> None:
     out, variants = Path(sys.argv[1]), sys.argv[2:]
     table = batch()
-    results = {variant: check_variant(variant, table) for variant in variants
-               if not variant.startswith("critic")}
+    results = {variant: (check_bf16 if variant.endswith("+bf16") else check_variant)(
+        variant, table) for variant in variants if not variant.startswith("critic")}
     if "critic" in variants:
         results["critic"] = {str(stage): check_critic(stage, table) for stage in (1, 3)}
     out.mkdir(parents=True, exist_ok=True)

@@ -487,6 +487,40 @@ def test_a_worker_stopped_before_its_next_reservation_counts_its_last_batch(run,
     assert (again.groups_written, again.kept_written, again.reserved_from) == (groups, kept, None)
 
 
+def test_a_worker_paused_long_moves_its_version_with_the_learner(run, monkeypatch):
+    """Stages close the versions below every worker's stored version: a worker paused while
+    the learner commits version after version (a standby worker, most of the run) stores the
+    committed version every k versions, instead of holding every version since its pause
+    open for every stage."""
+    from shardrl.stages import rollout
+    from shardrl.store.records import Progress
+
+    store, cfg, run_id, _ = run
+    keys = RunKeys(run_id)
+    k = cfg.learner.max_staleness
+    versions = iter(range(0, 3 * k + 1))
+    stored = []
+    real = rollout.Progress.read.__func__
+
+    def read(cls, st, key, optional=False):
+        if key == keys.progress():
+            return Progress(version=next(versions))
+        return real(cls, st, key, optional)
+
+    def pause(self, timeout):
+        stored.append(WorkerState.read(store, keys.worker_state(0)).version)
+
+    monkeypatch.setattr(rollout.Progress, "read", classmethod(read))
+    monkeypatch.setattr(rollout.Flow, "full", lambda self, progress: True)
+    monkeypatch.setattr(rollout.Flow, "pause", pause)
+    monkeypatch.setattr(StageContext, "done", lambda self: len(stored) >= 3 * k + 1)
+    ctx = context(store, cfg, run_id, "rollout")
+    ctx.once = False
+    rollout.main(ctx)
+    # stored at versions 0, k, 2k and 3k of the learner's, not on every commit
+    assert stored == [0] * k + [k] * k + [2 * k] * k + [3 * k]
+
+
 def test_a_failed_shard_write_stops_a_worker_about_to_pause(run, monkeypatch):
     """A worker whose backlog is full checks its last batch's writes before it waits: a
     failed write surfaces at once instead of leaving it paused on a backlog that counts the

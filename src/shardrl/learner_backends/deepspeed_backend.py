@@ -142,8 +142,13 @@ def ds_config(cfg: DeepSpeedBackend, grad_clip: float | None,
     }
 
 
-def _set_zero3_state(param: nn.Parameter, value: Tensor, slot: str) -> None:
-    """This rank's part of a full optimizer-state tensor, for a ZeRO-3 parameter.
+MASTER = "fp32"
+"""State slot of a parameter's float32 master (bf16 training): `policy/<name>/fp32`."""
+
+
+def _set_zero3_state(param: nn.Parameter, value: Tensor, slot: str | None) -> None:
+    """This rank's part of a full optimizer-state tensor (`slot` None: the float32 master),
+    for a ZeRO-3 parameter.
 
     `safe_set_full_optimizer_state` slices the unpadded value, so under ZeRO-3 it fails for
     a parameter whose size is not a multiple of the number of ranks (the last partition is
@@ -206,6 +211,9 @@ class DeepSpeedLearnerBackend:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=root, optimizer=opt, config=config, dist_init_required=False)
         self.zero3 = cfg.zero_stage == 3
+        self.bf16 = cfg.bf16
+        """The module trains in bfloat16; the float32 masters live in the optimizer's
+        partitions alone, so the state carries them (`MASTER`)."""
         if self.zero3:  # the FP32 head reads the (tied) output weight inside PolicyModule.forward
             deepspeed.zero.register_external_parameter(self.policy,
                                                        lm.get_output_embeddings().weight)
@@ -256,8 +264,10 @@ class DeepSpeedLearnerBackend:
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
     def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
-        """Full tensors gathered from the partitions: always fresh ones, whatever `copy`."""
-        from deepspeed.utils import safe_get_full_optimizer_state
+        """Full tensors gathered from the partitions: always fresh ones, whatever `copy`.
+        With bf16 the float32 masters too: the module's weights are their bfloat16 rounding,
+        and a resume from those would lose every update smaller than bfloat16's step."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         states = self._inner_states()
         local_step = float(states[0]["step"]) if states else 0.0
@@ -272,6 +282,9 @@ class DeepSpeedLearnerBackend:
                 for slot in MOMENTS:
                     full = safe_get_full_optimizer_state(param, slot)
                     state[moment_key(part, name, slot)] = full.detach().float().cpu().clone()
+                if self.bf16:
+                    master = safe_get_full_fp32_param(param)
+                    state[moment_key(part, name, MASTER)] = master.detach().float().cpu().clone()
         return state
 
     def lend(self) -> Loan:
@@ -294,7 +307,10 @@ class DeepSpeedLearnerBackend:
             group["lr"] = lr
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
+        """The moments and step, and with bf16 the float32 masters when `state` has them (one
+        from the torch backend, whose module holds its masters, has not: they came in with
+        the weights)."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         step = float(state[STEP_KEY])
         if step == 0:
@@ -315,6 +331,12 @@ class DeepSpeedLearnerBackend:
                         _set_zero3_state(param, value, slot)
                     else:
                         safe_set_full_optimizer_state(param, value, slot)
+                master = state.get(moment_key(part, name, MASTER))
+                if self.bf16 and master is not None:
+                    if self.zero3:
+                        _set_zero3_state(param, master.to(self.device), None)
+                    else:
+                        safe_set_full_fp32_param(param, master.to(self.device))
         if missing:
             raise KeyError(f"optimizer state lacks {len(missing)} entries, e.g. {missing[:3]}")
         for slots in self._inner_states():

@@ -91,15 +91,20 @@ def main(ctx: StageContext) -> int:
                 if paused is None:
                     pauses.pausing(flow.why)
                     paused = time.monotonic()
-                    # the counts with the last batch, stored now that its shards are: the
-                    # next reservation stores them only once the worker resumes, and a
-                    # worker stopped while it waits (most of its time when the learner sets
-                    # the pace) would resume without them and run ahead of its cap for good
-                    counted = WorkerState(next_seq=state.next_seq, version=state.version,
+                # as the pause begins, the counts with the last batch, stored now that its
+                # shards are: the next reservation stores them only once the worker resumes,
+                # and a worker stopped while it waits (most of its time when the learner sets
+                # the pace) would resume without them and run ahead of its cap for good. The
+                # version it may still write is the committed one at least: stages close the
+                # versions below every worker's, and a worker paused long (a standby one)
+                # would otherwise hold them open, each step listing more versions
+                version = max(state.version, progress.version)
+                if state.reserved_from is not None or (
+                        version >= state.version + max(1, cfg.learner.max_staleness)):
+                    counted = WorkerState(next_seq=state.next_seq, version=version,
                                           **flow.state())
-                    if counted != state:
-                        _store_state([], counted, store, state_key)
-                        state = counted
+                    _store_state([], counted, store, state_key)
+                    state = counted
                 flow.pause(rc.poll_interval_s)
                 continue
             if paused is not None:  # woken by the learner's commit: how long after its capture
