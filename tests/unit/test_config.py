@@ -246,3 +246,19 @@ def test_the_runner_finds_user_code_before_the_snapshot(tmp_path, capsys, monkey
                                         "reward.verifiers=[{name: 'userpkg.envs:f'}]"]))
     with pytest.raises(Exception, match="cannot load environment 'userpkg.nope:Shop'"):
         find_user_code(load_config("demo", ["task.environment=userpkg.nope:Shop"]))
+
+
+def test_a_partial_variant_section_says_which_key_names_the_variant(tmp_path):
+    """A section of a variant (the loss, the backend, ...) that a config gives in part, where
+    no preset named its variant, used to fail with pydantic's 'Unable to extract tag'."""
+    config = tmp_path / "partial.yaml"
+    config.write_text("algo: {loss: {max_ratio: 8}}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(config))
+    assert ("algo.loss: name a variant: set `kind` to one of cispo, ppo, gspo, dppo_tv, "
+            "dppo_kl (the default section is `kind: cispo`") in str(caught.value)
+    with pytest.raises(ConfigError, match="'zero' is not a variant: set `kind` to one of "
+                                          "torch, deepspeed"):
+        load_config("demo", ["learner.backend={kind: zero, zero_stage: 2}"])
+    # a preset that names the variant lets a config change a field alone
+    assert load_config("scalerl", ["algo.loss={max_ratio: 8}"]).algo.loss.max_ratio == 8

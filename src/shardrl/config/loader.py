@@ -174,12 +174,40 @@ def _describe(err: dict[str, Any]) -> FieldError:
         hint = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
         suggestion = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
         return FieldError(path, f"unknown key '{loc[-1]}'{suggestion}")
+    if err["type"] in ("union_tag_not_found", "union_tag_invalid"):
+        tag = str(err.get("ctx", {}).get("discriminator", "kind")).strip("'")
+        tags = [t for t in map(_tag, _models_in(_section_at(RunConfig, loc))) if t]
+        default = _default_tag(loc)
+        given = err.get("input", {}).get(tag) if isinstance(err.get("input"), dict) else None
+        what = "name a variant" if given is None else f"{given!r} is not a variant"
+        return FieldError(path, f"{what}: set `{tag}` to one of {', '.join(tags)} "
+                                f"(the default section is `{tag}: {default}`; a partial "
+                                f"section must say which it changes)")
     message = err["msg"].removeprefix("Value error, ")
     return FieldError(path, message)
 
 
+def _default_tag(loc: tuple[str, ...]) -> str | None:
+    """The tag of the default value of the field at `loc` (e.g. 'cispo' for algo.loss)."""
+    current: Any = RunConfig()
+    for part in loc:
+        current = getattr(current, part, None)
+        if current is None:
+            return None
+    return _tag(type(current)) if isinstance(current, BaseModel) else None
+
+
 def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
     """Field names of the section reached by `loc` (following union tags like 'cispo')."""
+    names: list[str] = []
+    for cls in _models_in(_section_at(model, loc)):
+        names.extend(n for n in cls.model_fields if n not in names)
+    return names
+
+
+def _section_at(model: type[BaseModel], loc: tuple[str, ...]) -> Any:
+    """The annotation of the section reached by `loc` (following union tags like 'cispo');
+    None when `loc` leads nowhere."""
     current: Any = model
     for part in loc:
         candidates = _models_in(current)
@@ -193,12 +221,9 @@ def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
                 nxt = tag_match[0]
                 break
         if nxt is None:
-            return []
+            return None
         current = nxt
-    names: list[str] = []
-    for cls in _models_in(current):
-        names.extend(n for n in cls.model_fields if n not in names)
-    return names
+    return current
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
