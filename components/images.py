@@ -74,13 +74,17 @@ def build_tag(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> 
     return f"{__version__}-g{rev}" if rev else __version__
 
 
+class ImageRefError(ValueError):
+    """An image registry or tag that cannot name a reproducible image."""
+
+
 def image_ref(spec: ImageSpec, registry: str, tag: str | None = None) -> str:
     """`registry/name:tag`, the tag defaulting to the release tag (the package version)."""
     tag = tag or __version__
     if tag == "latest":
-        raise ValueError("image tag 'latest' is not reproducible: use the package version")
+        raise ImageRefError("image tag 'latest' is not reproducible: use the package version")
     if not registry.strip("/"):
-        raise ValueError("image registry must not be empty, e.g. ghcr.io/shardrl")
+        raise ImageRefError("image registry must not be empty, e.g. ghcr.io/shardrl")
     return f"{registry.rstrip('/')}/{spec.name}:{tag}"
 
 

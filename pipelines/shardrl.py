@@ -26,8 +26,9 @@ from kfp.compiler.compiler_utils import KubernetesManifestOptions
 from kfp.dsl.base_component import BaseComponent
 
 from components import STAGE_IMAGES, build_tag, image_ref, stage_component
+from components.images import ImageRefError
 from components.tasks import monitor_component, report_component
-from shardrl.config import RunConfig, load_config
+from shardrl.config import ConfigError, RunConfig, load_config
 from shardrl.config.infra import Resources
 from shardrl.graph import StageSpec, active, after_loop, before_loop
 
@@ -280,9 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-registry", default=None)
     parser.add_argument("--image-tag", default=None)
     args = parser.parse_args(argv)
-    paths = compile_pipelines(load_config(args.config), args.out_dir,
-                              registry=args.image_registry, tag=args.image_tag,
-                              kubernetes_manifest_format=args.kubernetes_manifest_format)
+    try:
+        paths = compile_pipelines(load_config(args.config), args.out_dir,
+                                  registry=args.image_registry, tag=args.image_tag,
+                                  kubernetes_manifest_format=args.kubernetes_manifest_format)
+    except ConfigError as exc:  # its errors, one per line: not a traceback
+        print(exc, file=sys.stderr)
+        return 1
+    except ImageRefError as exc:
+        print(f"python -m pipelines.shardrl: {exc}", file=sys.stderr)
+        return 1
     for path in paths.values():
         print(path)
     return 0

@@ -262,3 +262,40 @@ def test_a_partial_variant_section_says_which_key_names_the_variant(tmp_path):
         load_config("demo", ["learner.backend={kind: zero, zero_stage: 2}"])
     # a preset that names the variant lets a config change a field alone
     assert load_config("scalerl", ["algo.loss={max_ratio: 8}"]).algo.loss.max_ratio == 8
+
+
+def test_an_inline_config_is_read_as_a_config_file_is(tmp_path, capsys):
+    """The Kubeflow `config` parameter may be YAML text: a key given twice, a list or invalid
+    YAML is a config error in one message (a stage exits 2, no traceback), and a one-line
+    `extends: NAME` is a config, not a file name."""
+    from shardrl.cli import main as cli_main
+    from shardrl.stages.context import load_stage_config
+
+    with pytest.raises(ConfigError, match="the key 'learner' appears twice"):
+        load_stage_config("learner:\n  lr: 1.0e-3\nlearner:\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_stage_config("- a\n- b\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_stage_config("learner: {lr: [\n")
+    assert load_stage_config("extends: scalerl").name == "scalerl"
+    assert load_stage_config("demo").name == "demo"
+    for supervise in ([], ["--supervise"]):
+        code = cli_main(["stage", "learn", *supervise, "--config", "- a\n", "--run-id", "x",
+                         "--store", str(tmp_path / "store")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("shardrl stage learn: invalid config <inline config>")
+    assert not (tmp_path / "store").exists()
+
+
+def test_compiling_with_a_bad_config_or_tag_is_one_message(tmp_path, capsys):
+    from pipelines.shardrl import main as compile_main
+    from shardrl.cli import main as cli_main
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("learner: {lrr: 1}\n")
+    assert compile_main([str(typo), "--out-dir", str(tmp_path / "out")]) == 1
+    assert "learner.lrr: unknown key 'lrr'; did you mean 'lr'?" in capsys.readouterr().err
+    assert cli_main(["pipeline", "compile", "--image-tag", "latest", "--out-dir",
+                     str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == ("shardrl pipeline: image tag 'latest' is not reproducible: "
+                                       "use the package version\n")

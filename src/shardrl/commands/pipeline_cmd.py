@@ -23,6 +23,7 @@ WAIT_TIMEOUT_S = 30 * 86400
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch `pipeline compile` / `pipeline run`."""
+    from components.images import ImageRefError
     from shardrl.config import ConfigError
 
     try:
@@ -31,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, os.environ)
     except ConfigError as exc:  # a missing or invalid config: its errors, not a traceback
         print(exc, file=sys.stderr)
+        return 1
+    except ImageRefError as exc:  # --image-tag latest, an empty registry
+        print(f"shardrl pipeline: {exc}", file=sys.stderr)
         return 1
     except (FileExistsError, NotADirectoryError, PermissionError) as exc:  # the output folder
         print(f"shardrl pipeline: {exc}", file=sys.stderr)

@@ -63,16 +63,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The mapping a config's YAML text holds (a file's, or inline text); ConfigError for
+    invalid YAML, a key given twice or a top level that is not a mapping."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - safe
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [FieldError("", f"not valid YAML: {exc}")]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(source, [FieldError("", "the top level must be a mapping")])
+    return data
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - safe
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [FieldError("", f"not valid YAML: {exc}")]) from exc
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:  # a folder, an unreadable or binary file
         raise ConfigError(str(path), [FieldError("", f"cannot be read as text: {exc}")]) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), [FieldError("", "the top level must be a mapping")])
-    return data
+    return parse_yaml(text, str(path))
 
 
 def _resolve_extends(ref: str, base_dir: Path, chain: tuple[str, ...]) -> dict[str, Any]:

@@ -6,10 +6,13 @@ import gc
 import importlib
 import os
 import signal
+import sys
 
 EXIT_STORE_UNAVAILABLE = 75
 """Exit status of a stage that waited `store.retry.deadline_s` for the object store in vain."""
 EXIT_RUN_ABORTED = 3
+EXIT_CONFIG = 2
+"""A stage's config is invalid: no restart can fix it (the same status as a usage error)."""
 """Exit status of a stage that stopped the run itself: it wrote ABORTED.json with the reason,
 and a restart would meet the same condition (the learner without signal to learn from)."""
 
@@ -33,9 +36,14 @@ def stop_on_sigterm() -> None:
 
 def run(args) -> int:
     threads = os.environ.get("SHARDRL_THREADS")
+    from ..config import ConfigError
     from .context import build_context
 
-    ctx = build_context(args)
+    try:
+        ctx = build_context(args)
+    except ConfigError as exc:  # its errors, one per line, in the pod's log: no traceback
+        print(f"shardrl stage {args.name}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     import torch
 
     from ..graph import stage

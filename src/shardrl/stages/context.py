@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import yaml
 
 from ..config import RunConfig, load_config, validate
-from ..config.loader import apply_override, resolve_mapping
+from ..config.loader import apply_override, parse_yaml, resolve_mapping
 from ..lifetime import running
 from ..quiet import quiet_libraries
 from ..redact import redact_tracebacks, redacted
@@ -35,9 +34,14 @@ ABORT_CHECK_S = 5.0
 
 
 def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """A config from a file path, a preset name, or inline YAML text (a pipeline parameter)."""
-    if "\n" in value or (value.lstrip().startswith("{") and not Path(value).exists()):
-        data = resolve_mapping(yaml.safe_load(value) or {})
+    """A config from a file path, a preset name, or inline YAML text (a pipeline parameter:
+    text with a line break, a `{...}` flow mapping or a `key: value` line), read as a config
+    file is (a key given twice, invalid YAML or a top level that is not a mapping is a
+    ConfigError)."""
+    inline = "\n" in value or (not Path(value).exists() and (
+        value.lstrip().startswith("{") or ": " in value))
+    if inline:
+        data = resolve_mapping(parse_yaml(value, "<inline config>"))
         for item in overrides:
             data = apply_override(data, item)
         return validate(data, "<inline config>")
