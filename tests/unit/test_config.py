@@ -221,6 +221,14 @@ def test_verifier_and_environment_names_are_checked_before_anything_runs(tmp_pat
     ok = load_config("demo", ["reward.verifiers=[{name: python_exec}, {name: 'my.mod:fn', "
                               "sandboxed: true}]", "task.environment=pkg.envs:Shop"])
     assert [v.name for v in ok.reward.verifiers] == ["python_exec", "my.mod:fn"]
+    # the config's lists are the registries' (the config package does not import them)
+    from shardrl.config.data import ENVIRONMENT_NAMES, VERIFIER_NAMES
+    from shardrl.tasks.environments import ENVIRONMENTS
+    from shardrl.tasks.rewards import TASK_VERIFIER
+    from shardrl.tasks.verifiers import SANDBOXED_ONLY, VERIFIERS
+
+    assert set(VERIFIER_NAMES) == {TASK_VERIFIER} | set(VERIFIERS) | SANDBOXED_ONLY
+    assert set(ENVIRONMENT_NAMES) == set(ENVIRONMENTS)
 
 
 def test_the_runner_finds_user_code_before_the_snapshot(tmp_path, capsys, monkeypatch):

@@ -36,7 +36,6 @@ def run(args) -> int:
     from ..stages.learn.replay import REPLAYABLE, Replay
     from ..store import RunKeys, StoreError, open_store
 
-    setup_logging("replay", 0)
     try:
         source = RunKeys(args.run)
     except ValueError as exc:
@@ -60,6 +59,7 @@ def run(args) -> int:
         print(f"shardrl replay: --set may change only {', '.join(REPLAYABLE)} (the replay trains "
               f"on the run's shards from its v0), not {', '.join(outside)}", file=sys.stderr)
         return 2
+    setup_logging("replay", 0)  # once the run is found: the replay logs as a stage does
     run_json = store.get_json(source.run_json())
     data = as_recorded(run_json["config"])
     try:

@@ -60,6 +60,11 @@ TaskSource = Annotated[BuiltinTask | DatasetTask, Field(discriminator="kind")]
 
 DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 """`package.module:attribute`: user code, found where the stage runs."""
+VERIFIER_NAMES = ("task", "exact_match", "math_final_answer", "numeric", "python_exec")
+"""The verifiers a config may name (`tasks.verifiers` registers them; a test keeps the two
+lists equal)."""
+ENVIRONMENT_NAMES = ("calculator", "guess", "python")
+"""The environments a config may name (registered in `tasks.environments`)."""
 
 
 def _registered_name(kind: str, name: str, known: list[str], dotted: str) -> str:
@@ -85,16 +90,10 @@ class VerifierSpec(Section):
 
     @model_validator(mode="after")
     def _known(self) -> VerifierSpec:
-        from ..tasks.verifiers import SANDBOXED_ONLY, VERIFIERS
-
-        if self.name == "task":
-            if self.sandboxed:
-                raise ValueError("the task's own checker runs in process: set `sandboxed: "
-                                 "false` for verifier 'task', or name a dotted-path verifier")
-            return self
-        _registered_name("verifier", self.name,
-                         ["task", *sorted(set(VERIFIERS) | set(SANDBOXED_ONLY))],
-                         "package.module:function")
+        if self.name == "task" and self.sandboxed:
+            raise ValueError("the task's own checker runs in process: set `sandboxed: "
+                             "false` for verifier 'task', or name a dotted-path verifier")
+        _registered_name("verifier", self.name, list(VERIFIER_NAMES), "package.module:function")
         return self
 
 
@@ -154,9 +153,7 @@ class TaskConfig(Section):
     @model_validator(mode="after")
     def _known_environment(self) -> TaskConfig:
         if self.environment is not None:
-            from ..tasks.environments import ENVIRONMENTS
-
-            _registered_name("environment", self.environment, sorted(ENVIRONMENTS),
+            _registered_name("environment", self.environment, list(ENVIRONMENT_NAMES),
                              "package.module:Class")
         return self
 
