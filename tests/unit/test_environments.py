@@ -79,6 +79,32 @@ def test_python_tool_runs_the_policys_code_in_the_sandbox(monkeypatch):
     assert env.step("no code, no answer") == type(r)("", 0.0, True)
 
 
+def test_an_answer_is_said_outside_code_and_an_outsized_one_is_wrong():
+    """`answer = ...` inside a code block is code to run, not the turn's answer (a literal
+    written into the code used to end the episode with that reward, without running it); a
+    number no float holds (1e400, 400 digits) scores 0 instead of failing the stage."""
+    from shardrl.tasks.environments import Guess
+    from shardrl.tasks.verifiers import numeric
+
+    limits = SandboxLimits(cpu_seconds=1.0, memory_mb=256, wall_seconds=2.0)
+    item = TaskItem("p", "8 boxes of 47 eggs. total?", "376", "mul")
+    env = make_environment("python", sandbox=limits)
+    env.reset(item)
+    r = env.step("```python\nanswer = 8 * 47\nprint(answer)\n```")
+    assert (r.observation, r.reward, r.done) == ("376", 0.0, False)
+    r = env.step("```python\nfinal_answer = 376\nprint(final_answer)\n```")
+    assert (r.observation, r.done) == ("376", False)
+    assert env.step("the code says so: answer: 376").reward == 1.0
+    calc = make_environment("calculator")
+    for outsized in ("answer: 1e400", "answer: " + "9" * 400):
+        calc.reset(item)
+        assert calc.step(outsized) == type(r)("", 0.0, True)
+    assert numeric("1e400", "1e400") == 1.0 and numeric("1e400", "376") == 0.0
+    guess = Guess()
+    guess.reset(TaskItem("g", "guess 1-10", "5", "guess"))
+    assert guess.step("guess: " + "9" * 5000) == type(r)("", 0.0, True)
+
+
 def test_settings_go_only_to_environments_that_take_them():
     limits = SandboxLimits(wall_seconds=1.0)
     assert isinstance(make_environment("calculator", sandbox=limits), Calculator)

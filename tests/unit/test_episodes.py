@@ -130,6 +130,35 @@ def test_an_episode_near_the_context_end_does_not_shorten_the_others():
     assert e0.token_ids[-room0:] == enc("answer: 3")[:room0] and e0.finish_reason == "length"
 
 
+def test_a_long_prompt_does_not_shorten_the_others_first_turn():
+    """Turn 0 gave every episode the room the longest prompt left (evaluation does not drop
+    long held-out prompts as rollout does)."""
+    short, long = TaskItem("a", "1+2?", "3", "add"), ITEM
+    prompts = [enc(short.prompt), enc(long.prompt)]
+    context = len(prompts[1]) + 4  # the long prompt leaves 4 tokens, the short one 26
+    generate, calls = scripted({0: ["answer: 3"], 1: ["answer: 84"]})
+    (e0,), (e1,) = run_episodes(generate, Calculator, [short, long], prompts, 1, max_turns=2,
+                                max_new_tokens=12, seed=5, decode=dec,
+                                encode_observation=enc, context=context)
+    # the full budget for the short prompt (its own seed unchanged), 4 for the long one
+    assert calls == [(1, 1, 12, 5), (1, 1, 4, 9)]
+    assert e0.token_ids == enc("answer: 3") + [EOS] and e0.episode_return == 1.0
+    assert e1.token_ids == enc("answ") and e1.finish_reason == "length"
+
+
+def test_a_turn_cut_at_its_budget_ends_the_episode():
+    """The environment's reply would follow a turn the policy never closed (no end of turn
+    in the transcript): the episode ends there, unless the turn ended it."""
+    generate, calls = scripted({0: ["calc(4*21) and then more", "answer: 84 is it"]})
+    (cut, answered), = run_episodes(generate, Calculator, [ITEM], [enc(ITEM.prompt)], 2,
+                                    max_turns=3, max_new_tokens=12, seed=0, decode=dec,
+                                    encode_observation=enc)
+    assert len(calls) == 1  # no second turn
+    assert cut.token_ids == enc("calc(4*21) a") and cut.policy_mask == [1] * 12
+    assert (cut.turn_rewards, cut.finish_reason) == ([0.0], "length")
+    assert answered.turn_rewards == [1.0] and answered.finish_reason == "length"
+
+
 def test_a_prompt_without_room_in_the_context_is_an_error():
     generate, _ = scripted({0: ["answer: 84"]})
     prompt = enc(ITEM.prompt)

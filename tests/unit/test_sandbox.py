@@ -247,6 +247,22 @@ def test_a_snippet_cannot_start_processes_or_load_native_code(code, refused):
     assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"
 
 
+@pytest.mark.parametrize(("code", "refused"), [
+    ("import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 15)", "pidfd"),
+    ("import signal\nsignal.pidfd_send_signal(3, 15)", "pidfd"),
+    ("import sys\ndel sys.modules['posix']\nimport posix", "import posix"),
+    ("import sys\ndel sys.modules['_signal']\nimport _signal", "import _signal"),
+])
+def test_a_snippet_cannot_signal_its_parent_by_process_descriptor(code, refused):
+    """`os.kill` is refused by the audit hook; a signal sent through a process file
+    descriptor raises no audit event, so those calls are refused in the child (and their
+    modules cannot be loaded afresh to get them back)."""
+    parent_alive = os.getpid()
+    result = run_python_snippet(code, LIMITS)
+    assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"
+    assert os.getpid() == parent_alive
+
+
 def test_a_sandboxed_verifier_cannot_start_processes_or_signal_others(reward_module):
     parent_alive = os.getpid()
     assert run_verifier(sandboxed_verifier(f"{reward_module}:run_program", LIMITS), "", "") == (

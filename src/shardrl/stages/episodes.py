@@ -5,7 +5,8 @@ A turn is one generation of up to `rollout.max_new_tokens` tokens, batched over 
 episode still running; the turn's text (special tokens removed) goes to the environment's
 `step`, whose reply is appended after the turn's tokens in the task's prompt format
 (`PromptFormat.observation_text`) before the next turn. An episode ends when the environment
-says so, after `max_turns` turns, or when the model's context has no room for the
+says so, after `max_turns` turns, when a turn is cut at its token budget (the reply would
+follow a turn the policy never closed), or when the model's context has no room for the
 environment's reply and another token after it. Nothing follows the last turn: the reply
 that ends an episode carries no tokens, so a row never outgrows the context.
 
@@ -17,8 +18,8 @@ episode's reward is the sum of its turns' rewards (the score stage's `task` veri
 
 Sampling is deterministic given `seed`: turn 0 samples all `n` episodes of each prompt in
 one call, as single-turn rollout does; turn t > 0 samples the running episodes with
-`seed + t * TURN_SEED_STRIDE` (those with less room left in the context than
-`max_new_tokens` in calls of their own, see `_later_turn`).
+`seed + t * TURN_SEED_STRIDE`; in both, episodes with less room left in the context than
+`max_new_tokens` are sampled in calls of their own (`_first_turn`, `_later_turn`).
 """
 
 from __future__ import annotations
@@ -101,18 +102,15 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
         if not running:
             break
         if t == 0:
-            budget = max_new_tokens if context is None else min(
-                max_new_tokens, min(context - len(e.context) for e in running))
-            if budget < 1:
-                raise ValueError(f"a prompt fills the model's context of {context} tokens")
-            samples = [s for g in generate([list(ids) for ids in prompt_ids], n, budget, seed)
-                       for s in g]
+            samples = _first_turn(generate, prompt_ids, n, max_new_tokens, context, seed)
         else:
             samples = _later_turn(generate, running, max_new_tokens, context,
                                   seed + t * TURN_SEED_STRIDE)
         for e, s in zip(running, samples, strict=True):
             result = e.env.step(decode(s.token_ids))
-            last = result.done or t == max_turns - 1
+            # a turn cut at its token budget ends the episode unless it ended it: the reply
+            # would follow a turn the policy never closed (no end of turn in the transcript)
+            last = result.done or t == max_turns - 1 or s.finish_reason != "stop"
             obs = [] if last else encode_observation(result.observation)
             if obs and context is not None and (
                     len(e.context) + len(s.token_ids) + len(obs) >= context):
@@ -126,6 +124,27 @@ def run_episodes(generate: Generate, make_env: Callable[[], Environment],
     for e in episodes:
         out.append(EpisodeSample(**vars(episode_tokens(e.turns)), finish_reason=e.finish))
     return [out[i * n:(i + 1) * n] for i in range(len(items))]
+
+
+def _first_turn(generate: Generate, prompt_ids: Sequence[list[int]], n: int,
+                max_new_tokens: int, context: int | None, seed: int) -> list:
+    """The first turn's `n` samples per prompt, in order. As in `_later_turn`, prompts with
+    room for `max_new_tokens` share one call (`seed`), and each smaller room is a call of its
+    own (seed + room): a long prompt never shortens the others' first turns."""
+    budgets = [max_new_tokens if context is None else min(max_new_tokens, context - len(ids))
+               for ids in prompt_ids]
+    if budgets and min(budgets) < 1:
+        too_long = budgets.index(min(budgets))
+        raise ValueError(f"prompt {too_long} ({len(prompt_ids[too_long])} tokens) fills the "
+                         f"model's context of {context} tokens")
+    samples: list = [None] * (len(prompt_ids) * n)
+    for budget in sorted(set(budgets), reverse=True):
+        rows = [i for i, b in enumerate(budgets) if b == budget]
+        groups = generate([list(prompt_ids[i]) for i in rows], n, budget,
+                          seed + (0 if budget == max_new_tokens else budget))
+        for i, group in zip(rows, groups, strict=True):
+            samples[i * n:(i + 1) * n] = group
+    return samples
 
 
 def _later_turn(generate: Generate, running: list[_Running], max_new_tokens: int,

@@ -140,16 +140,17 @@ def _show(x: Fraction) -> str:
 
 
 _CALL = re.compile(r"calc\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
-_ANSWER = re.compile(r"answer\s*[:=]\s*(\S+)", re.IGNORECASE)
+_ANSWER = re.compile(r"\banswer\s*[:=]\s*(\S+)", re.IGNORECASE)
 
 
 class ToolProblem:
     """A problem the policy answers after any number of tool calls.
 
     `answer: <number>` ends the episode with reward 1 when it equals the item's answer, else
-    0; a turn with a tool call (`call` returns the tool's reply) gets the reply back with
-    reward 0; a turn that does neither ends the episode with reward 0. The first observation
-    is the item's prompt.
+    0 (a number too large for a float among them); a turn with a tool call (`call` returns
+    the tool's reply) gets the reply back with reward 0; a turn that does neither ends the
+    episode with reward 0. The first observation is the item's prompt. An `answer` inside a
+    fenced code block is code (`answer = 8 * 47`), not the turn's answer.
     """
 
     def __init__(self) -> None:
@@ -162,8 +163,12 @@ class ToolProblem:
     def step(self, action: str) -> StepResult:
         if self.item is None:
             raise RuntimeError("step before reset")
-        if m := _ANSWER.search(action):
-            return StepResult("", numeric(m[1], self.item.answer), True)
+        if m := _ANSWER.search(_CODE.sub("", action)):
+            try:
+                reward = numeric(m[1], self.item.answer)
+            except ArithmeticError:  # e.g. 1e400: no float holds it, so it is not the answer
+                reward = 0.0
+            return StepResult("", reward, True)
         reply = self.call(action)
         return StepResult("", 0.0, True) if reply is None else StepResult(reply, 0.0, False)
 
@@ -206,7 +211,10 @@ class Guess:
             raise RuntimeError("step before reset")
         if not (m := _GUESS.search(action)):
             return StepResult("", 0.0, True)
-        guess = int(m[1])
+        try:
+            guess = int(m[1])
+        except ValueError:  # more digits than Python converts: not the secret either
+            return StepResult("", 0.0, True)
         if guess == self.secret:
             return StepResult("", 1.0, True)
         return StepResult("= higher" if self.secret > guess else "= lower", 0.0, False)

@@ -64,11 +64,20 @@ blocked = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os
            "subprocess.Popen"}
 if req["mode"] == "snippet":
     blocked |= {"ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function"}
+    # a signal by process file descriptor raises no audit event: those calls are replaced,
+    # and their modules cannot be loaded afresh (below)
+    import posix, signal, _signal
+    def refused(*args, **kwargs):
+        raise PermissionError("not allowed in the sandbox: pidfd")
+    for mod, name in ((os, "pidfd_open"), (posix, "pidfd_open"),
+                      (signal, "pidfd_send_signal"), (_signal, "pidfd_send_signal")):
+        if hasattr(mod, name):
+            setattr(mod, name, refused)
 own = os.getpid()
 def guard(event, args):
     if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
             event == "import" and req["mode"] == "snippet"
-            and args[0] in ("_posixsubprocess", "_ctypes")):
+            and args[0] in ("_posixsubprocess", "_ctypes", "posix", "_signal")):
         raise PermissionError("not allowed in the sandbox: " + event
                               + (" " + str(args[0]) if event == "import" else ""))
 sys.addaudithook(guard)

@@ -158,9 +158,11 @@ def numeric(response: str, answer: str, rel_tol: float = 1e-6, abs_tol: float = 
     got = last_number(response)
     if got is None:
         return 0.0
-    return (
-        1.0 if math.isclose(float(got), float(expected), rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
-    )
+    try:
+        close = math.isclose(float(got), float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
+    except OverflowError:  # beyond a float (1e400): only the exact value can match
+        close = got == expected
+    return 1.0 if close else 0.0
 
 
 @register_verifier("math_final_answer")
