@@ -187,8 +187,13 @@ def _async_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) ->
     for spec in active(cfg):
         upstream = [tasks[name] for name in spec.after]
         tasks[spec.name] = _add_stage(spec, cfg, registry, tag, params, upstream, once=False)
-    _add_monitor(cfg, registry, tag, params, [tasks[s.name] for s in before_loop(cfg)])
-    _add_report(cfg, registry, tag, params, [tasks[s.name] for s in after_loop(cfg)])
+    monitor = _add_monitor(cfg, registry, tag, params,
+                           [tasks[s.name] for s in before_loop(cfg)])
+    # after every stage and the monitor: its final forward then sends the points the looping
+    # stages logged after DONE.json (their last batch), once, and no forwarder runs beside it
+    _add_report(cfg, registry, tag, params,
+                [tasks[s.name] for s in after_loop(cfg)]
+                + [tasks[s.name] for s in active(cfg) if s.loops] + [monitor])
 
 
 def _sync_body(cfg: RunConfig, registry: str, tag: str | None, params: dict) -> None:

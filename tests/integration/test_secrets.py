@@ -336,3 +336,23 @@ def test_commands_that_read_a_run_say_a_store_problem_in_one_line(monkeypatch, c
     assert capsys.readouterr().err.startswith("shardrl replay: no credentials for bucket")
     assert cli_main(["replay", "../x", "--store", "s3://some-bucket/x"]) == 2
     assert "run_id must match" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["demo", "scalerl", "ppo-rlhf", "smollm2", "calculator"])
+def test_a_config_comes_back_whole_from_its_mlflow_params(tmp_path, preset, caplog):
+    """`shardrl doctor <MLflow run id>` rebuilds the run's config from its params: lists of
+    mappings holding None (the GPU tolerations) were logged as Python's repr and came back
+    as the text 'None', so the pipeline section was dropped with a warning."""
+    from mlflow.tracking import MlflowClient
+
+    from shardrl.config import load_config
+    from shardrl.doctor.series import mlflow_config
+    from shardrl.tracking.mlflow_run import find_or_create_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(preset, [f"tracking.uri={uri}"])
+    run = find_or_create_run(cfg, "params")
+    with caplog.at_level("WARNING"):
+        back = mlflow_config(MlflowClient(tracking_uri=uri), run)
+    assert not [r for r in caplog.records if "does not validate" in r.getMessage()]
+    assert back.pipeline == cfg.pipeline and back.algo == cfg.algo and back.model == cfg.model

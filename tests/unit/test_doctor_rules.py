@@ -261,6 +261,18 @@ def test_filter_alert_needs_a_sustained_rate():
     assert codes(metrics(s)) == []
 
 
+def test_filter_rates_whose_mean_is_the_limit_do_not_exceed_it():
+    """13/32, 1/2, 19/32, 7/16, 9/16: a mean of exactly 0.5, which a convolution rounded to
+    0.5000000000000001 (above the limit); one step more at 0.75 is above it."""
+    s = base()
+    rates = np.full(len(STEP), 0.2)
+    rates[10:15] = [13 / 32, 1 / 2, 19 / 32, 7 / 16, 9 / 16]
+    s["prepare/filter_rate"] = rates
+    assert codes(metrics(s)) == []
+    rates[15] = 0.75  # steps 11-15: (1/2 + 19/32 + 7/16 + 9/16 + 3/4) / 5 = 0.56875
+    assert codes(metrics(s)) == ["filtering"]
+
+
 def test_spike_indices_by_hand():
     # i=3: median(1, 2, 1) = 1, 9 > 5 * 1; i=4: median(2, 1, 9) = 2, 3 < 10
     assert spike_indices(np.array([1.0, 2.0, 1.0, 9.0, 3.0]), 3, 5.0) == [3]

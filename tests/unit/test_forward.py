@@ -119,3 +119,21 @@ def test_the_writers_of_inline_stages_are_the_rollout_workers():
                                       "evaluate": 1}
     apart = RunConfig.model_validate({"rollout": {"workers": 3, "postprocess": "stages"}})
     assert metric_writers(apart)["score"] == 1 and metric_writers(apart)["prepare"] == 1
+
+
+def test_a_chunk_that_does_not_decode_is_passed_over_not_a_crash(tmp_path, caplog):
+    """A truncated or foreign file among the chunks: the doctor skips it with a warning, and
+    so does the forwarder (before, it raised in the runner at every resume, and in the
+    Kubeflow monitor at every retry)."""
+    store, sent = LocalStore(tmp_path), Sent()
+    log(store, "learn", 0, [("learn/loss", 1, 0.5)])
+    bad = KEYS.metrics_chunk("learn", 0, next(_clock))
+    store.put_bytes(bad, b"PAR1 not really")
+    log(store, "learn", 0, [("learn/loss", 2, 0.25)])
+    f = forwarder(store, sent)
+    assert f.forward(final=True) == 2
+    assert sorted(sent.all()) == [("learn/loss", 1, 0.5), ("learn/loss", 2, 0.25)]
+    assert any("does not decode" in r.getMessage() and bad in r.getMessage()
+               for r in caplog.records)
+    again = Sent()  # a restarted forwarder moved past it: nothing sent twice, nothing raised
+    assert forwarder(store, again).forward(final=True) == 0 and again.all() == []

@@ -102,3 +102,39 @@ def test_the_monitor_and_report_tasks_open_their_mlflow_run(tmp_path):
     assert runs[0] is not None and runs[0] == runs[1]
     c = client(view.cfg)
     assert c.get_run(runs[0]).data.tags[RUN_TAG] == "kfp-run-1"
+
+
+def test_points_logged_after_done_reach_mlflow_once(tmp_path):
+    """At DONE.json a rollout worker may still log its last batch: the `monitor` task sends
+    only settled steps then, and the `report` task (after every stage) sends the rest, so no
+    step gets two rows in MLflow (before, the monitor sent every step at DONE and the report
+    sent the late points of the same steps again)."""
+    import pyarrow as pa
+
+    from shardrl.orchestrate.monitor import Monitor
+    from shardrl.store import write_shard
+    from shardrl.store.records import Done
+    from shardrl.store.schemas import METRICS
+    from shardrl.tracking.mlflow_run import client
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"extends: demo\ntracking: {{uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n")
+    view = kfp_tasks.open_view(str(config), "kfp-run-2", str(tmp_path / "store"))
+    clock = iter(range(1_800_000_000_000_000, 1_900_000_000_000_000))
+
+    def chunk(worker: int, points: list[tuple[int, float]]) -> None:
+        steps, values = zip(*points, strict=True)
+        write_shard(view.store, view.keys.metrics_chunk("rollout", worker, next(clock)),
+                    pa.table({"stage": ["rollout"] * len(points), "name": ["rollout/x"] *
+                              len(points), "step": list(steps), "value": list(values),
+                              "time": [1.0] * len(points)}), METRICS)
+
+    chunk(0, [(1, 1.0), (2, 3.0)])
+    chunk(1, [(1, 2.0)])
+    Done(steps=2, time=1.0).write(view.store, view.keys.done())
+    assert kfp_tasks.follow(view, poll_s=0.0) == 0  # the monitor task ends on DONE.json
+    chunk(1, [(2, 5.0)])  # worker 1's last batch, after DONE.json
+    report = Monitor(view, progress_bar=False)
+    report._forward(final=True)  # what the report task's summary does first
+    history = client(view.cfg).get_metric_history(report.mlflow, "rollout/x")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.5), (2, 4.0)]

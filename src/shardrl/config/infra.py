@@ -278,7 +278,7 @@ class DoctorConfig(Section):
     """Share of responses hitting max_new_tokens."""
     drift_high: float = Field(0.1, gt=0.0, le=100.0)
     """KL (k3, nats per token) from the sampling policy to the learner's on the same tokens
-    above which the two have drifted apart (a healthy demo run stays under 0.03)."""
+    above which the two have drifted apart (healthy demo runs peaked at 0.03-0.06)."""
     spike_factor: float = Field(5.0, gt=1.0)
     """A value this many times its running median is a spike."""
     window: int = Field(5, ge=2, le=10000)

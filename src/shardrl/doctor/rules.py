@@ -348,7 +348,9 @@ def _over(m: Metrics, cfg: RunConfig, name: str, limit: float, code: str,
     s = _finite(m, name)
     if s is None or len(s) < w:
         return None
-    rolling = np.convolve(s.values, np.ones(w) / w, mode="valid")  # (N - w + 1,)
+    # each window's own mean: a convolution's rounding put a window of rates exactly at the
+    # limit (filter rates are multiples of 1/32 or 1/48) just above it
+    rolling = np.lib.stride_tricks.sliding_window_view(s.values, w).mean(axis=1)  # (N - w + 1,)
     hits = np.flatnonzero(rolling > limit)
     if not len(hits):
         return None

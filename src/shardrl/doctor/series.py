@@ -309,7 +309,8 @@ def mlflow_config(client, run_id: str) -> RunConfig:
 
 
 def _param_value(text: str):
-    """A param logged as `str(value)` back to a value: None, numbers, booleans, lists, text."""
+    """A param logged as text or JSON (`str(value)` by older runs) back to a value: None,
+    numbers, booleans, lists, text."""
     if text == "None":
         return None
     try:

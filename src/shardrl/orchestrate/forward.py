@@ -23,14 +23,22 @@ steps went back) is sent as a point of its own, as every point was before.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
 
+import pyarrow as pa
+
 from ..doctor.series import ChunkTail, reduced
 from ..graph import GENERATOR, STAGES, stage
-from ..store import RunKeys, Store, read_columns
+from ..store import NotFound, RunKeys, Store, read_columns
 from ..store.keys import metrics_writer
+
+log = logging.getLogger("shardrl.forward")
+EMPTY = pa.table({"name": pa.array([], pa.string()), "step": pa.array([], pa.int64()),
+                  "value": pa.array([], pa.float64()), "time": pa.array([], pa.float64())})
+"""The points of a chunk that cannot be read."""
 
 TimedPoint = tuple[str, int, float, float]
 """(name, step, value, time): a metric point as MLflow takes it (time in epoch seconds)."""
@@ -145,7 +153,14 @@ class Forwarder:
         # points the forwarder before this one read and sent: below its released step
         floor = (self.settled.released.get(writer.split("/", 1)[0], -math.inf)
                  if key <= self.before.get(writer, "") else -math.inf)
-        table = read_columns(self.store.get_bytes(key), ["name", "step", "value", "time"])
+        try:
+            table = read_columns(self.store.get_bytes(key), ["name", "step", "value", "time"])
+        except NotFound:  # deleted meanwhile: nothing to send
+            table = EMPTY
+        except (pa.ArrowException, ValueError) as e:  # truncated or foreign: as the doctor does
+            log.warning("metrics chunk %s does not decode (%s); forwarding goes on without "
+                        "it", key, e)
+            table = EMPTY
         newest = None
         for name, step, value, at in zip(*(table.column(c).to_pylist()
                                            for c in ("name", "step", "value", "time")),

@@ -68,7 +68,10 @@ def link_runs(monitor, view) -> str | None:
 
 def follow(view, poll_s: float = 10.0) -> int:
     """Forward metrics to MLflow until DONE.json, or ABORTED.json when a stage failed for good
-    (the `monitor` task)."""
+    (the `monitor` task). At DONE.json the rollout workers (and score and prepare) may still
+    log their last batch's points: only settled steps go here, and the `report` task, which
+    runs after every stage and this one, sends the rest. An aborted run has no report task
+    to come: everything read goes at once."""
     from .monitor import Monitor
 
     monitor = Monitor(view, progress_bar=False)
@@ -76,7 +79,7 @@ def follow(view, poll_s: float = 10.0) -> int:
     while not (view.store.exists(view.keys.done()) or view.store.exists(view.keys.aborted())):
         monitor.tick()
         time.sleep(poll_s)
-    monitor.finish_metrics()
+    monitor.finish_metrics(final=view.store.exists(view.keys.aborted()))
     return 0
 
 

@@ -86,10 +86,12 @@ class Monitor:
         if self.mlflow is not None:
             self.forwarder.forward(final)
 
-    def finish_metrics(self) -> None:
+    def finish_metrics(self, final: bool = True) -> None:
+        """The last progress line and forward; `final` sends every step, settled or not (no
+        writer will log more)."""
         self.last_tick = 0.0
         self.tick()
-        self._forward(final=True)
+        self._forward(final=final)
         if self.bar:
             self.bar.close()
             self.bar = None

@@ -75,7 +75,7 @@ EVAL = pa.schema([
 
 METRICS = pa.schema([
     _required("stage", pa.string()),
-    _required("name", pa.string()),                # namespaced: "learner/clip_frac"
+    _required("name", pa.string()),                # namespaced: "learn/clip_frac"
     _required("step", pa.int64()),
     _required("value", pa.float64()),
     _required("time", pa.float64()),               # unix time

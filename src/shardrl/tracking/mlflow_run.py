@@ -7,6 +7,7 @@ once, after the others stopped. Against an MLflow server any stage may write.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -98,7 +99,10 @@ def find_or_create_run(cfg: RunConfig, run_id: str, c=None, new: bool = False) -
     params = flatten(cfg.model_dump(mode="json"))
     from mlflow.entities import Param
 
-    items = [Param(k, redacted(str(v))[:6000]) for k, v in params.items()]
+    # text as it is, anything else as JSON (which reads back as YAML: `shardrl doctor` on an
+    # MLflow run rebuilds the config from its params); Python's repr would not (None in a list)
+    items = [Param(k, redacted(v if isinstance(v, str) else json.dumps(v))[:6000])
+             for k, v in params.items()]
     for i in range(0, len(items), 100):
         c.log_batch(run.info.run_id, params=items[i: i + 100])
     return run.info.run_id
