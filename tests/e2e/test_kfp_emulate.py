@@ -106,7 +106,8 @@ def check_run(store: Path, job: str, steps: int) -> dict:
 def test_async_pipeline_recovers_a_killed_task_by_its_retry_policy(tmp_path):
     job = str(uuid.uuid4())
     path = compile_short(tmp_path, "shardrl", ["learner.total_steps=6"])
-    proc = emulate(path, tmp_path, job, SHORT + "learner: {batch_prompts: 8, total_steps: 6}\n")
+    proc = emulate(path, tmp_path, job, SHORT.replace("learner: {batch_prompts: 8}",
+                                                   "learner: {batch_prompts: 8, total_steps: 6}"))
     latest = tmp_path / "store" / "runs" / job / "policy" / "LATEST.json"
     killed = None
     deadline = time.monotonic() + 240
@@ -139,7 +140,7 @@ def test_sync_pipeline_completes_its_rounds_with_filtering_on(tmp_path):
     overrides = ["learner.total_steps=2"]
     path = compile_short(tmp_path, "shardrl-sync", overrides)
     config = (SHORT.replace("tracking: {enabled: false}\n", "")
-              + "learner: {batch_prompts: 8, total_steps: 2}\n")
+              .replace("learner: {batch_prompts: 8}", "learner: {batch_prompts: 8, total_steps: 2}"))
     assert load_config(str(path.parent.parent / "short.yaml"), overrides).algo.filters.zero_variance
     tracking = f"sqlite:///{tmp_path}/mlflow.db"
     proc = emulate(path, tmp_path, job, config,
