@@ -81,11 +81,11 @@ def test_the_monitor_task_ends_on_the_marker(tmp_path, monkeypatch):
             if len(ticks) == 2:
                 Aborted(stage="rollout").write(store, keys.aborted())
 
-        def finish_metrics(self):
-            ticks.append("finished")
+        def finish_metrics(self, final=True):
+            ticks.append(("finished", final))
 
     store, keys = LocalStore(tmp_path), RunKeys("r1")
     monkeypatch.setattr(monitor, "Monitor", Forwarder)
     monkeypatch.setattr(kfp_tasks, "link_runs", lambda monitor, view: None)
     assert kfp_tasks.follow(SimpleNamespace(store=store, keys=keys), poll_s=0.01) == 0
-    assert ticks == [1, 1, "finished"]
+    assert ticks == [1, 1, ("finished", True)]  # aborted: no report task will send the rest
