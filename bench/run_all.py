@@ -59,8 +59,10 @@ def _algo(r: dict) -> Iterator[Row]:
 def _store(r: dict) -> Iterator[Row]:
     table_mb = r.get("table_bytes", 0) / 1e6
     for name, b in r.get("backends", {}).items():
+        # no target on this one: random bytes of the table's in-memory size are more bytes
+        # than the shard file, and an fsync'd put grows faster than its size here
         yield ("store", f"{name}: shard write+read / raw put+get of the table's in-memory "
-               f"bytes ({table_mb:.1f} MB; the shard file is smaller)", ">= 0.5",
+               f"bytes ({table_mb:.1f} MB; the shard file is smaller)", "",
                f"{b['ratio']:.2f}")
         equal = b.get("ratio_equal_bytes", b.get("ratio_vs_file_bytes"))
         if equal is not None:
@@ -110,11 +112,16 @@ SIDES = {"shardrl": "ShardRL", "trl": "TRL", "sync": "sync"}
 
 
 def _pass(side: dict, n: int | None) -> str:
-    """Median final pass@1 over repeats ± its binomial standard error."""
+    """Median final pass@1 over repeats ± the binomial standard error of one evaluation at
+    that rate; at 0 or 1 (where that error is 0) the count instead."""
     from bench.curves import binomial_se
 
     p = side["final_pass"]["median"]
-    return f"{p:.3f}" + (f" ± {binomial_se(p, n):.3f}" if n else "")
+    if not n:
+        return f"{p:.3f}"
+    if p in (0.0, 1.0):
+        return f"{p:.3f} ({round(p * n)}/{n})"
+    return f"{p:.3f} ± {binomial_se(p, n):.3f}"
 
 
 def _interval(interval: dict | None, suffix: str = "") -> str:
@@ -162,12 +169,16 @@ def _trl(r: dict) -> Iterator[Row]:
     n = r.get("eval_samples")
     sides = [s for s in SIDES if s in r]
     names = " / ".join(SIDES[s] for s in sides)
-    se = f"; ± binomial SE, n = {n} held-out samples" if n else ""
-    yield ("trl", f"final pass@1 {names} (median; equal wall clock{se})", "",
+    se = f"; ± binomial SE of one evaluation of n = {n} held-out samples" if n else ""
+    counts = (f"; medians over {r.get('repeats_vs_sync', repeats)} repeats, TRL's over "
+              f"{repeats}" if "sync" in sides and r.get("repeats_vs_sync", repeats) != repeats
+              else "")
+    yield ("trl", f"final pass@1 {names} (median; equal wall clock{se}{counts})", "",
            " / ".join(_pass(r[s], n) for s in sides))
-    yield ("trl", "samples/s ShardRL / TRL (whole runs, start-up included)", ">= 1.0 (aim 1.5)",
+    yield ("trl", "generated samples/s ShardRL / TRL (filtered groups included: ShardRL "
+           "generates more per step; whole runs, start-up included)", ">= 1.0 (aim 1.5)",
            _spread(r["samples_per_s_ratio"]))
-    yield ("trl", f"samples/s {names} (median, whole runs)", "",
+    yield ("trl", f"generated samples/s {names} (median, whole runs{counts})", "",
            " / ".join(f"{r[s]['samples_per_s']['median']:.1f}" for s in sides))
     if "vs_sync" in r:
         vs = r["vs_sync"]
@@ -331,9 +342,17 @@ def _overhead(r: dict) -> Iterator[Row]:
         for stage, bare in (("learn", "bare torch loop"), ("rollout", "bare generate")):
             d = r[size][stage]
             steady = f", steady {d['ratio_steady']['median']:.2f}" if "ratio_steady" in d else ""
-            yield ("overhead", f"{shape}: {stage} stage tokens/s / {bare}", ">= 0.90",
+            engine = "ratio_engine" in d  # then the engine alone is the overhead's baseline
+            yield ("overhead", f"{shape}: {stage} stage tokens/s / {bare}"
+                   + (" (`model.generate`: another sampling loop)" if engine else ""),
+                   "" if engine else ">= 0.90",
                    f"{d['ratio']['median']:.2f}{steady} (min {d['ratio']['min']:.2f}, "
                    f"max {d['ratio']['max']:.2f})")
+            if engine:
+                e = d["ratio_engine"]
+                yield ("overhead", f"{shape}: {stage} stage tokens/s / its engine alone on the "
+                       "same prompts (the stage's own overhead)", ">= 0.90",
+                       f"{e['median']:.2f} (min {e['min']:.2f}, max {e['max']:.2f})")
 
 
 GROWTH_TARGETED = ("learn_discovery_admission", "score_poll", "prepare_poll", "rollout_checks",
