@@ -487,6 +487,23 @@ def test_a_worker_stopped_before_its_next_reservation_counts_its_last_batch(run,
     assert (again.groups_written, again.kept_written, again.reserved_from) == (groups, kept, None)
 
 
+def test_a_reserved_shard_that_does_not_read_counts_as_the_worker_will_take_it_away(run):
+    """The worker takes a quarantined shard of its own away as an average shard
+    (`Flow.check_lost`): one of its last batch that does not read is counted so when it
+    starts again, or its counts would end a shard low."""
+    from shardrl.stages.rollout import resumed_counts
+
+    store, cfg, run_id, template = run
+    keys = RunKeys(run_id)
+    write_shard(store, keys.rollout(0, 0, 0), template, ROLLOUT)  # 2 prompt groups
+    store.put_bytes(keys.rollout(0, 0, 1), b"PAR1 not really")
+    state = WorkerState(next_seq=3, version=0, reserved_from=0)  # seq 2 never written
+    counted = resumed_counts(context(store, cfg, run_id, "rollout"), state, inline=False)
+    n = cfg.rollout.prompts_per_shard
+    assert (counted.groups_written, counted.kept_written) == (2 + n, 2 + n)
+    assert counted.reserved_from is None and counted.next_seq == 3
+
+
 def test_a_worker_paused_long_moves_its_version_with_the_learner(run, monkeypatch):
     """Stages close the versions below every worker's stored version: a worker paused while
     the learner commits version after version (a standby worker, most of the run) stores the

@@ -79,3 +79,18 @@ def test_pruning_waits_for_the_commit_so_the_checkpoint_before_survives(tmp_path
                     checkpoint={"backend": {"step": torch.tensor(4.0)}})
     commit.write(Writes(store, KEYS), store, KEYS, 1, lambda version: None)
     assert stored(store) == [4] and store.exists(KEYS.progress())
+
+
+def test_an_older_checkpoint_gives_its_moments_not_its_policy_masters():
+    """DeepSpeed's bf16 state carries the float32 masters, which the engine copies into the
+    weights at the next update: from a checkpoint older than the committed version they
+    would put the policy back to that step. The critic's come with its own weights, from
+    the same checkpoint, so they stay."""
+    import torch
+
+    from shardrl.stages.learn.loop import resumable_state
+
+    state = {"step": torch.tensor(10.0), "policy/w/exp_avg": torch.ones(2),
+             "policy/w/fp32": torch.ones(2), "critic/v/fp32": torch.ones(1)}
+    assert resumable_state(state, 17, 17) is state
+    assert set(resumable_state(state, 10, 17)) == {"step", "policy/w/exp_avg", "critic/v/fp32"}

@@ -243,7 +243,7 @@ def test_the_runner_finds_user_code_before_the_snapshot(tmp_path, capsys, monkey
                      "--set", "reward.verifiers=[{name: 'nowhere.mod:fn', sandboxed: true}]"])
     assert code == 1
     err = capsys.readouterr().err
-    assert "cannot load verifier 'nowhere.mod:fn': no module named 'nowhere.mod'" in err
+    assert "cannot load verifier 'nowhere.mod:fn': no module named 'nowhere' on the" in err
     assert not (store / "runs" / "u1" / "run.json").exists()
     assert not (store / "runs" / "u1" / "state" / "runner" / "started.json").exists()
     (tmp_path / "userpkg").mkdir()
@@ -252,8 +252,15 @@ def test_the_runner_finds_user_code_before_the_snapshot(tmp_path, capsys, monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     find_user_code(load_config("demo", ["task.environment=userpkg.envs:Shop",
                                         "reward.verifiers=[{name: 'userpkg.envs:f'}]"]))
-    with pytest.raises(Exception, match="cannot load environment 'userpkg.nope:Shop'"):
+    with pytest.raises(Exception, match="cannot load environment 'userpkg.nope:Shop': no "
+                                        "module named 'userpkg.nope'"):
         find_user_code(load_config("demo", ["task.environment=userpkg.nope:Shop"]))
+    # found through an editable install's finder, and in a namespace package (no
+    # __init__.py), where the folder search alone would not tell: not refused
+    (tmp_path / "space" / "rl").mkdir(parents=True)
+    (tmp_path / "space" / "rl" / "verifiers.py").write_text("raise SystemExit('imported')\n")
+    find_user_code(load_config("demo", ["reward.verifiers=[{name: 'shardrl.tasks.verifiers:"
+                                        "numeric'}, {name: 'space.rl.verifiers:f'}]"]))
 
 
 def test_a_partial_variant_section_says_which_key_names_the_variant(tmp_path):

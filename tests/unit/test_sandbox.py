@@ -255,8 +255,9 @@ def test_a_snippet_cannot_start_processes_or_load_native_code(code, refused):
 ])
 def test_a_snippet_cannot_signal_its_parent_by_process_descriptor(code, refused):
     """`os.kill` is refused by the audit hook; a signal sent through a process file
-    descriptor raises no audit event, so those calls are refused in the child (and their
-    modules cannot be loaded afresh to get them back)."""
+    descriptor raises no audit event, so those calls are refused in the child and their
+    modules cannot be imported afresh. A Python-level block only: the README says what it
+    does not stop (a module built through `_imp`)."""
     parent_alive = os.getpid()
     result = run_python_snippet(code, LIMITS)
     assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"

@@ -23,7 +23,6 @@ WAIT_TIMEOUT_S = 30 * 86400
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch `pipeline compile` / `pipeline run`."""
-    from components.images import ImageRefError
     from shardrl.config import ConfigError
 
     try:
@@ -33,12 +32,24 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # a missing or invalid config: its errors, not a traceback
         print(exc, file=sys.stderr)
         return 1
-    except ImageRefError as exc:  # --image-tag latest, an empty registry
-        print(f"shardrl pipeline: {exc}", file=sys.stderr)
+    except ValueError as exc:
+        if not _image_ref_error(exc):
+            raise
+        print(f"shardrl pipeline: {exc}", file=sys.stderr)  # --image-tag latest, say
         return 1
     except (FileExistsError, NotADirectoryError, PermissionError) as exc:  # the output folder
         print(f"shardrl pipeline: {exc}", file=sys.stderr)
         return 1
+
+
+def _image_ref_error(exc: ValueError) -> bool:
+    """Whether `exc` says an image reference cannot be made (`components.images`, which
+    imports kfp: looked up only once an error came, so the local path needs no kfp)."""
+    try:
+        from components.images import ImageRefError
+    except ImportError:
+        return False
+    return isinstance(exc, ImageRefError)
 
 
 def _compile(args: argparse.Namespace) -> int:

@@ -28,6 +28,9 @@ POLICY, CRITIC = "policy", "critic"
 """Names of the trainable parts, in the order of the optimizer's parameter groups."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW state slots saved per parameter."""
+MASTER = "fp32"
+"""State slot of a parameter's float32 master where the module trains in a narrower dtype
+(DeepSpeed's bf16): `policy/<name>/fp32`."""
 STEP_KEY = "step"
 """State key of the optimizer's step count (a float32 scalar)."""
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..config.stages import DeepSpeedBackend
 from ..models.heads import Critic
 from .base import (
+    MASTER,
     MOMENTS,
     STEP_KEY,
     CriticModule,
@@ -140,10 +141,6 @@ def ds_config(cfg: DeepSpeedBackend, grad_clip: float | None,
         "steps_per_print": NEVER_PRINT,
         "wall_clock_breakdown": False,
     }
-
-
-MASTER = "fp32"
-"""State slot of a parameter's float32 master (bf16 training): `policy/<name>/fp32`."""
 
 
 def _set_zero3_state(param: nn.Parameter, value: Tensor, slot: str | None) -> None:

@@ -363,21 +363,42 @@ def find_user_code(cfg: RunConfig) -> None:
     """The modules of the verifiers and environment given as dotted paths are on this
     machine's import path, where the stages will look for them (found without running any
     of their code): a typo is said before the snapshot spends its time, not after it by
-    rollout workers failing over and over."""
+    rollout workers failing over and over. Only a module found missing is refused: where the
+    search cannot tell (a finder that needs the package imported), the stages find out."""
     from ..config.data import DOTTED
-    from ..tasks.verifiers import VerifierError, locate_dotted
 
     named = [("verifier", v.name) for v in cfg.reward.verifiers]
     named += [("environment", cfg.task.environment)] if cfg.task.environment else []
     for kind, name in named:
-        if not DOTTED.match(name):
-            continue
+        if DOTTED.match(name) and (missing := _missing_module(name.partition(":")[0])):
+            raise UserCodeMissing(
+                f"shardrl run: cannot load {kind} {name!r}: no module named {missing!r} on the "
+                f"import path here (install it or set PYTHONPATH)")
+
+
+def _missing_module(module: str) -> str | None:
+    """The first package or module of dotted `module` that is certainly not on the import
+    path, else None. The top level is asked of every finder (an editable install's too);
+    the rest is looked up in its parent's folders, nothing imported."""
+    import importlib.machinery
+    import importlib.util
+
+    parts = module.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return None
+    for i in range(1, len(parts) + 1):
+        if spec is None:
+            return ".".join(parts[:i])
+        where = spec.submodule_search_locations
+        if i == len(parts) or where is None:
+            return None
         try:
-            locate_dotted(name)
-        except VerifierError as exc:
-            why = str(exc).split(": ", 1)[-1]
-            raise UserCodeMissing(f"shardrl run: cannot load {kind} {name!r}: {why} (on the "
-                                  f"import path here: install it or set PYTHONPATH)") from None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), list(where))
+        except Exception:  # a namespace package's parent not imported: cannot tell here
+            return None
+    return None
 
 
 def run(args) -> int:

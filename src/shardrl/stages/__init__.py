@@ -11,10 +11,10 @@ import sys
 EXIT_STORE_UNAVAILABLE = 75
 """Exit status of a stage that waited `store.retry.deadline_s` for the object store in vain."""
 EXIT_RUN_ABORTED = 3
-EXIT_CONFIG = 2
-"""A stage's config is invalid: no restart can fix it (the same status as a usage error)."""
 """Exit status of a stage that stopped the run itself: it wrote ABORTED.json with the reason,
 and a restart would meet the same condition (the learner without signal to learn from)."""
+EXIT_CONFIG = 2
+"""A stage's config is invalid: no restart can fix it (the same status as a usage error)."""
 
 
 class Stopped(SystemExit):

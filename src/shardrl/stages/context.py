@@ -39,13 +39,25 @@ def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -
     file is (a key given twice, invalid YAML or a top level that is not a mapping is a
     ConfigError)."""
     inline = "\n" in value or (not Path(value).exists() and (
-        value.lstrip().startswith("{") or ": " in value))
+        value.lstrip().startswith("{") or _one_line_config(value)))
     if inline:
         data = resolve_mapping(parse_yaml(value, "<inline config>"))
         for item in overrides:
             data = apply_override(data, item)
         return validate(data, "<inline config>")
     return load_config(value, overrides)
+
+
+def _one_line_config(value: str) -> bool:
+    """Whether one line of text is a config (`extends: scalerl`), not a file's name with
+    ': ' in it: a mapping of config sections."""
+    if ": " not in value:
+        return False
+    try:
+        data = parse_yaml(value, "<inline config>")
+    except ValueError:
+        return False
+    return all(key == "extends" or key in RunConfig.model_fields for key in data)
 
 
 def retry_policy(cfg: RunConfig) -> RetryPolicy:

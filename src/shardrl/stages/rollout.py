@@ -56,16 +56,17 @@ def main(ctx: StageContext) -> int:
     ctx.wait_for_run()
     state_key = keys.worker_state(ctx.worker)
     saved = WorkerState.read(store, state_key)
-    state = resumed_counts(ctx, saved, cfg.inline_postprocess)
-    if state != saved:
-        state.write(store, state_key)
     post = None
     if cfg.inline_postprocess:
         from .inline import InlinePostprocess
 
         post = InlinePostprocess(ctx)
         # its last shards may name a version newer than the store's (the weights channel's)
-        post.recover(state.version, max(ctx.latest_version() or 0, state.version))
+        post.recover(saved.version, max(ctx.latest_version() or 0, saved.version))
+    # after `recover`, which finishes a rollout shard whose ready shard a crash cut short
+    state = resumed_counts(ctx, saved, cfg.inline_postprocess)
+    if state != saved:
+        state.write(store, state_key)
     retired = (RetiredPrompts(store, keys) if cfg.algo.filters.no_positive_resampling.enabled
                else None)
     engine = PolicyEngine(ctx, ctx.wait_for_policy(rc.poll_interval_s), base)
@@ -195,7 +196,8 @@ def resumed_counts(ctx: StageContext, state: WorkerState, inline: bool) -> Worke
     groups, and kept groups with `inline` post-processing): the counts that include a batch
     are stored only as the worker pauses or reserves its next batch, and a worker stopped in
     between would otherwise run ahead of its cap by that batch for good. A shard a stage has
-    quarantined since counts too (the worker subtracts it when it finds it there); one that
+    quarantined since counts too (the worker subtracts it when it finds it there), one that
+    does not read as an average shard of this worker (as the worker subtracts it); one that
     retention has deleted since cannot be counted."""
     from .inline import kept_groups
 
@@ -212,8 +214,12 @@ def resumed_counts(ctx: StageContext, state: WorkerState, inline: bool) -> Worke
             continue  # never written
         try:
             table = read_shard(store, found[0], READY if inline else ROLLOUT)
-        except ShardError:
-            continue  # unreadable: a stage quarantines it, and the worker no longer counts it
+        except ShardError:  # unreadable: counted as `Flow.check_lost` will take it away
+            # when it finds the shard in quarantine, as an average shard of this worker
+            n = ctx.cfg.rollout.prompts_per_shard
+            groups += n
+            kept += round(n * keep_rate(state.kept_written, state.groups_written)) if inline else n
+            continue
         n = pc.count_distinct(table.column("group_id")).as_py()
         groups += n
         kept += kept_groups(table) if inline else n

@@ -12,6 +12,7 @@ from safetensors.torch import load as st_load
 
 from ...algo import get_kl_controller, lr_schedule
 from ...learner_backends import build_backend
+from ...learner_backends.base import MASTER, POLICY
 from ...models.delta import publish_state, state_bytes
 from ...models.dropout import disable_dropout
 from ...store.records import Aborted, Done, LearnerRestart, Progress, Taken
@@ -152,7 +153,8 @@ class Learner:
         if self.version > 0:
             if ckpt is not None:  # every rank loads its partition (a collective call)
                 name = f"{ranks.BACKEND_STATE}.safetensors"
-                backend.load_state_dict(st_load(store.get_bytes(keys.learner_file(ckpt, name))))
+                state = st_load(store.get_bytes(keys.learner_file(ckpt, name)))
+                backend.load_state_dict(resumable_state(state, ckpt, self.version))
             ctx.log.info("resumed at version %d (optimizer state%s from step %s)", self.version,
                          " and the critic" if critic is not None else "", ckpt)
             if critic is not None and ckpt != self.version:  # the policy is the committed one
@@ -432,6 +434,19 @@ class Learner:
             applied, _ = self.update(table.filter(table.column("keep")), plan.beta)
             self.advance(applied or self.ctx.once)  # as the leader's `step` does
         return 0
+
+
+def resumable_state(state: dict[str, torch.Tensor], ckpt: int, version: int,
+                    ) -> dict[str, torch.Tensor]:
+    """A checkpoint's backend state for a learner resuming at the committed `version`: the
+    policy's float32 masters (DeepSpeed's bf16) only when the checkpoint is of that version.
+    An older checkpoint's would put the policy back to its step (the engine copies the
+    masters into the weights at the next update); the policy is the committed version's,
+    its published weights, and its masters are rebuilt from them."""
+    if ckpt == version:
+        return state
+    return {k: v for k, v in state.items()
+            if not (k.startswith(f"{POLICY}/") and k.endswith(f"/{MASTER}"))}
 
 
 def policy_tokens(table: pa.Table) -> int:
