@@ -14,16 +14,17 @@ fresh process each repeat (`--bare-learn`), so both sides start cold: torch's la
 and the allocator's heap are not left warm by an earlier repeat on one side only.
 
 Rollout: `shardrl stage rollout` generates `shards` shards from policy v0 (nothing consumes
-them: the backlog bound is `shards`, then the bench writes DONE.json), one shard per
-generation call (`rollout.max_batch_shards: 1`): a shard's `created_at`, stamped after its
-call, then ends exactly its own cycle (with several shards per call, the shards of the call
-that opens the window were generated before it and their tokens counted in it, up to twice
-the stage's real rate on the large model). Its steady state runs from shard WARMUP-1's
-creation to the last one's; the bare side is `model.generate` on the same prompts, group
-size, temperature, max_new_tokens, batch shape (one shard's prompts, left-padded) and
-threads, timed from shard WARMUP on; and, the stage's own overhead, the stage's engine alone
-(`HFEngine.generate`, its sampling loop and shared-prompt forward, which `model.generate`
-does not have) on the same prompts.
+them: the backlog bound is `shards`, then the bench writes DONE.json), BATCH shards per
+generation call (`rollout.max_batch_shards`): a shard's `created_at` is stamped after its
+call, and the window opens at the end of a call, so it counts only the tokens of calls made
+inside it (with up to 8 shards per call and the window opening inside the first, it once
+counted shards generated before it: up to twice the stage's real rate on the large model).
+Its steady state runs from shard WARMUP-1's creation to the last one's. The stage's own
+overhead is read against its engine alone (`HFEngine.generate`, its sampling loop and
+shared-prompt forward) on the same prompts in the same calls of BATCH shards, timed from
+shard WARMUP on; and, for reference, against `model.generate` (another sampling loop) on
+each shard's prompts (left-padded), the same group size, temperature, max_new_tokens and
+threads.
 
 Both at the demo's model size and a larger one (hidden 256, 4 layers), where a step is
 heavier and the stages' fixed per-step costs weigh less. Each repeat runs stage then bare,
@@ -70,6 +71,10 @@ GROUPS, GROUP_SIZE, RESPONSE = 16, 8, 8
 TARGET = 0.90
 WARMUP = 2
 """Rollout shards left out of the steady-state window (both sides)."""
+BATCH = 2
+"""Shards per generation call of the rollout stage (`rollout.max_batch_shards`; about what a
+demo worker generates at once, its backlog allowing); WARMUP and PAIRED_SHARDS are multiples
+of it, so the window opens and each paired run ends at a call's end."""
 PAIRED_SHARDS = 8
 """Consecutive rollout shards per pair of the paired figure. The stage generates several
 shards in one call and writes them within milliseconds of each other, so a shard alone has
@@ -84,7 +89,7 @@ def config_text(scale: str, steps: int, shards: int) -> str:
     return (f"extends: demo\nname: overhead-{scale}\n"
             f"model: {{source: {source}, sft: {{enabled: false}}}}\n"
             f"rollout: {{prompts_per_shard: {GROUPS}, max_backlog_steps: {shards}, "
-            f"max_batch_shards: 1, postprocess: stages, "
+            f"max_batch_shards: {BATCH}, postprocess: stages, "
             f"poll_interval_s: 0.05}}\n"
             f"learner: {{total_steps: {steps}, max_staleness: 100000}}\n"
             f"eval: {{every: {steps}}}\ntracking: {{enabled: false}}\n").replace("'", "")
@@ -335,8 +340,9 @@ def rollout_stage(config: Path, base: Path, work: Path, shards: int) -> dict:
 
 def rollout_engine(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
     """The stage's own engine (`HFEngine.generate`, as a rollout worker calls it: its sampling
-    loop and shared-prompt forward) on each shard's prompts, timed from shard WARMUP on: what
-    the stage does minus the stage, so stage / this is the stage's own overhead."""
+    loop and shared-prompt forward) on the shards' prompts in calls of BATCH shards, as the
+    stage makes them, timed from shard WARMUP on: what the stage does minus the stage, so
+    stage / this is the stage's own overhead."""
     from shardrl.engines.hf import HFEngine
     from shardrl.models.io import load_causal_lm, load_tokenizer
 
@@ -344,23 +350,24 @@ def rollout_engine(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
     tok = load_tokenizer(folder)
     engine = HFEngine(load_causal_lm(folder), eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, fp32_lm_head=cfg.model.fp32_lm_head)
-    per_shard = []
-    for i, prompts in enumerate(shards):
+    per_call = []
+    for i in range(0, len(shards) - BATCH + 1, BATCH):
         if i == WARMUP:
             started = time.perf_counter()
         begun = time.perf_counter()
+        prompts = [p for shard in shards[i:i + BATCH] for p in shard]
         groups = engine.generate(prompts, rc.group_size, temperature=rc.temperature,
                                  top_p=rc.top_p, max_new_tokens=rc.max_new_tokens, seed=i)
         if i >= WARMUP:
             tokens = sum(len(s.token_ids) for g in groups for s in g)
-            per_shard.append((tokens, time.perf_counter() - begun))
+            per_call.append((tokens, time.perf_counter() - begun))
     wall = time.perf_counter() - started
-    tokens = sum(n for n, _ in per_shard)
+    tokens = sum(n for n, _ in per_call)
+    calls = PAIRED_SHARDS // BATCH
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "shard_tokens_per_s": [sum(n for n, _ in per_shard[i:i + PAIRED_SHARDS])
-                                   / sum(t for _, t in per_shard[i:i + PAIRED_SHARDS])
-                                   for i in range(0, len(per_shard) - PAIRED_SHARDS + 1,
-                                                  PAIRED_SHARDS)]}
+            "shard_tokens_per_s": [sum(n for n, _ in per_call[i:i + calls])
+                                   / sum(t for _, t in per_call[i:i + calls])
+                                   for i in range(0, len(per_call) - calls + 1, calls)]}
 
 
 def shard_prompts(table: pa.Table) -> list[list[int]]:
