@@ -338,6 +338,17 @@ def rollout_stage(config: Path, base: Path, work: Path, shards: int) -> dict:
             "to_first_shard_s": window["first_shard_time"] - started, "tables": tables}
 
 
+def timed(per_call: list[tuple[int, float]], wall: float, paired: int) -> dict:
+    """A bare generation loop's figures from its timed calls (tokens, seconds) and its wall
+    clock: tokens/s over the wall, and per `paired` calls (PAIRED_SHARDS shards; a partial
+    last run left out) for the paired figure."""
+    tokens = sum(n for n, _ in per_call)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "shard_tokens_per_s": [sum(n for n, _ in per_call[i:i + paired])
+                                   / sum(t for _, t in per_call[i:i + paired])
+                                   for i in range(0, len(per_call) - paired + 1, paired)]}
+
+
 def rollout_engine(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
     """The stage's own engine (`HFEngine.generate`, as a rollout worker calls it: its sampling
     loop and shared-prompt forward) on the shards' prompts in calls of BATCH shards, as the
@@ -361,13 +372,7 @@ def rollout_engine(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
         if i >= WARMUP:
             tokens = sum(len(s.token_ids) for g in groups for s in g)
             per_call.append((tokens, time.perf_counter() - begun))
-    wall = time.perf_counter() - started
-    tokens = sum(n for n, _ in per_call)
-    calls = PAIRED_SHARDS // BATCH
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "shard_tokens_per_s": [sum(n for n, _ in per_call[i:i + calls])
-                                   / sum(t for _, t in per_call[i:i + calls])
-                                   for i in range(0, len(per_call) - calls + 1, calls)]}
+    return timed(per_call, time.perf_counter() - started, PAIRED_SHARDS // BATCH)
 
 
 def shard_prompts(table: pa.Table) -> list[list[int]]:
@@ -409,13 +414,7 @@ def rollout_bare(cfg, folder: Path, shards: list[list[list[int]]]) -> dict:
         lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, new.shape[1])
         if i >= WARMUP:
             per_shard.append((int(lengths.sum()), time.perf_counter() - begun))
-    wall = time.perf_counter() - started
-    tokens = sum(n for n, _ in per_shard)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "shard_tokens_per_s": [sum(n for n, _ in per_shard[i:i + PAIRED_SHARDS])
-                                   / sum(t for _, t in per_shard[i:i + PAIRED_SHARDS])
-                                   for i in range(0, len(per_shard) - PAIRED_SHARDS + 1,
-                                                  PAIRED_SHARDS)]}
+    return timed(per_shard, time.perf_counter() - started, PAIRED_SHARDS)
 
 
 def spread(values: list[float]) -> dict:

@@ -90,8 +90,6 @@ class Learner:
         self.leader = self.backend.rank == 0
         self.in_step = False
         """True while the ranks are inside one step's collectives (see `run`)."""
-        self.last_applied: bool | None = None
-        """Whether the last step's update changed the weights (replay checks it)."""
         self.profile = Profile()
         self.barren = Barren.resumed(state.no_signal)
         self.writer = Writer()
@@ -264,8 +262,9 @@ class Learner:
                        learner=self.start_id)
         self.taken_writer.submit(record.write, self.ctx.store, self.ctx.keys.taken())
 
-    def step(self, batch: Batch, every_round: bool | None = None) -> None:
-        """One update on the admitted shards of `batch`, then the batch's commit.
+    def step(self, batch: Batch, every_round: bool | None = None) -> bool:
+        """One update on the admitted shards of `batch`, then the batch's commit; whether
+        the update changed the weights (replay checks it against the ledger).
 
         `every_round` (default: a `--once` round) publishes a version even when no update
         was applied (every row filtered, or a non-finite loss): the version is the previous
@@ -294,7 +293,6 @@ class Learner:
         if every_round and not applied:
             self.ledger.counts["unchanged_versions"] += 1
         tokens = policy_tokens(kept)  # before the commit's writer thread wants the lock
-        self.last_applied = applied
         self.commit(batch, stepped=applied or every_round, beta=beta, threads=self.threads,
                     applied=applied)
         self.in_step = False
@@ -310,6 +308,7 @@ class Learner:
             # off the step's path, after the commit: where the commits' writes run (in their
             # child process by default, which keeps its Python off this process's lock)
             self.writer.later(self.commits.run, [Check(self.version)])
+        return applied
 
     def barren_limit(self) -> bool:
         """Whether `max_batches_without_signal` batches' worth of prompt groups in a row had

@@ -190,12 +190,12 @@ class Replay:
                 return self._diverged(f"v{at}: KL coefficient {learner.kl.beta!r}, the run "
                                       f"used {delta.beta!r}")
             learner.ctx.cores.use(delta.threads)
-            learner.step(batch, every_round=delta.stepped)  # a `--once` round always stepped
+            # a `--once` round always steps
+            applied = learner.step(batch, every_round=delta.stepped)
             stepped = learner.version > at
             if stepped != delta.stepped and not self.overrides:
                 return self._diverged(f"v{at}: the step was {'applied' if stepped else 'skipped'}"
                                       f", the run's was not")
-            applied = learner.last_applied
             if delta.applied is not None and applied != delta.applied and not self.overrides:
                 # a `--once` round publishes either way: only the update itself tells
                 return self._diverged(f"v{at}: the update was {'applied' if applied else 'skipped'}"
