@@ -65,9 +65,6 @@ from bench.curves import steady_samples_per_s
 EVAL_AFTER_MAX_BYTES = 2 << 30
 """Most memory the weight copies of `--eval-after` may take (all points together)."""
 
-GROUP_ID = "w00-{seq:06d}-{i:03d}"
-"""Group ids as the rollout stage names them (worker 0)."""
-
 
 def passive_openmp() -> None:
     """Idle OpenMP threads sleep rather than spin (`OMP_WAIT_POLICY=PASSIVE`, unless the
@@ -202,10 +199,8 @@ class SyncTrainer:
 
     def _generate(self, shards: int, clock: PausableClock,
                   events: list[tuple[float, float]]) -> list:
-        import pyarrow as pa
-
-        from shardrl.stages.rollout import MAX_EMPTY_SHARDS
-        from shardrl.store.schemas import ROLLOUT
+        from shardrl.stages.engine import decode_all
+        from shardrl.stages.rollout import MAX_EMPTY_SHARDS, rollout_table
 
         rc, cfg = self.cfg.rollout, self.cfg
         per_shard = [(self.seq + s, self._prompts(self.seq + s)) for s in range(shards)]
@@ -233,23 +228,15 @@ class SyncTrainer:
         events.append((clock.now(), float(n)))
         tables, at = [], 0
         now = time.time()
-        for seq, its in per_shard:
-            cols: dict[str, list] = {name: [] for name in ROLLOUT.names}
-            for i, item in enumerate(its):
-                ids, samples = prompt_ids[at + i], groups[at + i]
-                for j, s in enumerate(samples):
-                    row = {"prompt_id": item.prompt_id, "group_id": GROUP_ID.format(seq=seq, i=i),
-                           "sample_idx": j, "policy_version": self.version, "worker": 0,
-                           "prompt_text": item.prompt, "prompt_token_ids": ids,
-                           "response_token_ids": s.token_ids, "behavior_logprobs": s.logprobs,
-                           "finish_reason": s.finish_reason,
-                           "response_text": self.tokenizer.decode(s.token_ids,
-                                                                  skip_special_tokens=True),
-                           "answer": item.answer, "category": item.category, "created_at": now}
-                    for name, value in row.items():
-                        cols[name].append(value)
+        texts = decode_all(self.tokenizer, [s.token_ids for g in groups for s in g])
+        for seq, its in per_shard:  # the rollout stage's table, group ids as worker 0's
+            shard_groups = groups[at:at + len(its)]
+            rows = sum(len(g) for g in shard_groups)
+            tables.append(rollout_table(its, prompt_ids[at:at + len(its)], shard_groups,
+                                        version=self.version, worker=0, seq=seq,
+                                        texts=texts[:rows], created_at=now))
+            texts = texts[rows:]
             at += len(its)
-            tables.append(pa.table(cols, schema=ROLLOUT))
         return tables
 
     # -- score and prepare, as the stages do per shard -------------------------------------

@@ -182,9 +182,10 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
         groups = (engine.engine.generate(prompt_ids, n, **sampling) if episodes is None
                   else episodes.run(items, prompt_ids, n, **sampling))
     cols: dict[str, list] = {name: [] for name in EVAL.names}
+    texts = iter(engine.decode_all([s.token_ids for samples in groups for s in samples]))
     for item, samples in zip(items, groups, strict=True):
         for j, s in enumerate(samples):
-            text = engine.decode(s.token_ids)
+            text = next(texts)
             reward = (float(task.verify(text, item.answer)) if episodes is None
                       else s.episode_return)
             cols["policy_version"].append(version)
