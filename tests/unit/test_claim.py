@@ -8,11 +8,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from shardrl.lifetime import process_identity, still_running
-from shardrl.orchestrate.local import claim, started_key
+from shardrl.orchestrate.local import claim, started_key, takeover_key
 from shardrl.store import LocalStore, RunKeys
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
@@ -59,3 +60,82 @@ def test_a_mark_without_the_process_start_goes_by_the_pid(tmp_path):
     with pytest.raises(SystemExit, match="in use by the runner with process id 1"):
         claim(store, keys, "store")
     assert still_running(os.getpid(), None)
+
+
+def _ended_mark() -> dict:
+    """The mark of a runner on this machine that has ended."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = process_identity(gone.pid)
+    gone.wait()
+    return {"time": 0.0, "host": socket.gethostname(), "pid": gone.pid, "process": identity}
+
+
+@linux
+def test_a_stale_mark_is_taken_over_by_one_runner_only(tmp_path):
+    store, keys = LocalStore(tmp_path), RunKeys("r")
+    stale = _ended_mark()
+    store.put_json(started_key(keys), stale)
+    record = store.get_bytes(started_key(keys))
+    # another resumer took the stale mark over a moment ago and has not yet written its own
+    racer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.put_json(takeover_key(keys, record), {
+            "time": 1.0, "host": socket.gethostname(), "pid": racer.pid,
+            "process": process_identity(racer.pid)})
+        with pytest.raises(SystemExit, match=f"in use by the runner with process id {racer.pid}"):
+            claim(store, keys, "store")
+        assert store.get_json(started_key(keys)) == stale  # left to the racer
+    finally:
+        racer.kill()
+        racer.wait()
+    # the racer stopped before it wrote its mark: its takeover is taken over in turn
+    claim(store, keys, "store")
+    assert store.get_json(started_key(keys))["pid"] == os.getpid()
+    taken = store.get_bytes(takeover_key(keys, store.get_bytes(takeover_key(keys, record))))
+    assert taken == store.get_bytes(started_key(keys))
+
+
+@linux
+def test_two_resumers_at_once_one_takes_the_run(tmp_path):
+    store, keys = LocalStore(tmp_path / "store"), RunKeys("r")
+    store.put_json(started_key(keys), _ended_mark())
+    # each runner reads the stale mark, then waits until the other has read it too: both
+    # judge it stale before either takes it; a winner stays until the test lets it go
+    script = (
+        "import os, time\n"
+        "from shardrl.orchestrate.local import claim\n"
+        "from shardrl.store import LocalStore, RunKeys\n"
+        f"here = {str(tmp_path)!r}\n"
+        "def flag(name): open(os.path.join(here, f'{name}-{os.getpid()}'), 'w').close()\n"
+        "def count(name): return sum(n.startswith(name) for n in os.listdir(here))\n"
+        "class Store(LocalStore):\n"
+        "    first = True\n"
+        "    def get_bytes(self, key):\n"
+        "        data = super().get_bytes(key)\n"
+        "        if self.first and key.endswith('started.json'):\n"
+        "            self.first = False\n"
+        "            flag('read')\n"
+        "            while count('read') < 2: time.sleep(0.001)\n"
+        "        return data\n"
+        "claim(Store(os.path.join(here, 'store')), RunKeys('r'), 'store')\n"
+        "flag('claimed')\n"
+        "while not count('release'): time.sleep(0.01)\n")
+    runners = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
+                                text=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        # each runner ends by exiting (refused) or by claiming the run and waiting
+        while (sum(r.poll() is not None for r in runners)
+               + len(list(tmp_path.glob("claimed-*"))) < 2 and time.monotonic() < deadline):
+            time.sleep(0.01)
+        claimed = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("claimed-*"))
+        (tmp_path / "release").touch()
+        errors = {r.pid: r.communicate(timeout=60)[1] for r in runners}
+    finally:
+        for r in runners:
+            r.kill()
+            r.wait()
+    assert len(claimed) == 1, errors
+    loser = next(pid for pid in errors if pid != claimed[0])
+    assert f"in use by the runner with process id {claimed[0]}" in errors[loser]
+    assert store.get_json(started_key(keys))["pid"] == claimed[0]

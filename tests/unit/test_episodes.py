@@ -401,3 +401,20 @@ def test_the_learner_counts_only_the_policys_tokens_of_an_episode():
         "policy_mask": pa.array([[1, 1, 0, 0, 0, 1, 1]], pa.list_(pa.int8()))})
     assert policy_tokens(episode) == 4
     assert policy_tokens(episode.slice(0, 0)) == 0
+
+
+def test_rollout_token_rate_counts_the_policys_tokens():
+    from types import SimpleNamespace
+
+    from shardrl.stages.rollout import _log_metrics
+
+    table = _rollout_table(_two_episodes())  # responses of 26 and 11 tokens, 33 the policy's
+    got = {}
+    ctx = SimpleNamespace(metrics=SimpleNamespace(log=lambda version, values: got.update(values)))
+    flow = SimpleNamespace(busy_fraction=lambda: 1.0, busy_s=2.0, generating_s=1.0,
+                           sampling_cpu_s=1.0)
+    _log_metrics(ctx, 3, 4, table, 0.5, flow)
+    assert got["tokens_per_s"] == pytest.approx(33 / 0.5)  # the replies' 4 tokens left out
+    assert got["response_length_mean"] == 18.5 and got["response_length_max"] == 26
+    assert got["policy_token_frac"] == pytest.approx(33 / 37)
+    assert got["samples"] == 2 and got["version_lag"] == 1

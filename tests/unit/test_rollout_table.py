@@ -1,6 +1,5 @@
 """A rollout shard's table built a column at a time, and responses decoded in one pass."""
 
-import pyarrow as pa
 import pytest
 
 from shardrl.engines.base import Sample
@@ -72,8 +71,19 @@ def test_decode_all_keeps_a_tokenizers_space_clean_up(tokenizer, monkeypatch):
     assert decode_all(tokenizer, [ids, ids]) == ["ab.c", "ab.c"]
 
 
-def test_rollout_table_needs_one_text_per_sample():
+def test_mismatched_inputs_are_refused():
     items = [TaskItem("p0", "ab=", "bc", "len_2")]
-    with pytest.raises(pa.ArrowInvalid):
-        rollout_table(items, [[1]], [[Sample([4], [-0.5], "stop")]], version=0, worker=0,
-                      seq=0, texts=[], created_at=0.0)
+    group = [Sample([4], [-0.5], "stop")]
+
+    def table(**changed):
+        args = dict(items=items, prompt_ids=[[1]], groups=[group], texts=["x"]) | changed
+        return rollout_table(args["items"], args["prompt_ids"], args["groups"], version=0,
+                             worker=0, seq=0, texts=args["texts"], created_at=0.0)
+
+    assert table().num_rows == 1
+    with pytest.raises(ValueError, match="1 items, 2 prompts and 1 groups"):
+        table(prompt_ids=[[1], [2]])
+    with pytest.raises(ValueError, match="0 response texts for 1 samples"):
+        table(texts=[])
+    with pytest.raises(ValueError, match="logprobs differ in number from its tokens"):
+        table(groups=[[Sample([4, 5], [-0.5], "stop")]])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -27,6 +29,7 @@ from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
 from ..store import (
     LocalStore,
+    NotFound,
     RunKeys,
     Store,
     StoreError,
@@ -295,24 +298,64 @@ def claim(store: Store, keys: RunKeys, store_uri: str) -> None:
     """Mark run `keys.run_id` as this runner's (`started_key`: its host and pid), or exit
     with a one-line error while a live runner on this machine holds it: two runners on one
     run would write over each other's config and state. The mark is created only if absent
-    (atomically where the store can), so of two runners started at once one wins; a mark
+    (atomically where the store can), so of two runners started at once one wins. A mark
     left by a runner that has ended (or from another machine, which cannot be checked) is
-    taken over."""
+    taken over, by one runner of this machine only: the one that creates the takeover record
+    named after that mark's bytes (`takeover_key`), also only if absent. Another resumer
+    racing for the same mark finds the record and is refused while its runner lives; should
+    that runner have stopped before it wrote its own mark, its record is taken over the same
+    way. A runner on another machine cannot be checked, so its mark or record never refuses
+    (nor does any on a store without conditional writes)."""
     key = started_key(keys)
-    mark = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-            "process": process_identity(os.getpid())}
-    if store.put_if_absent(key, json_bytes(mark)):
-        return
-    refuse_if_in_use(store, keys, store_uri)
-    store.put_json(key, mark)
+    mine = json_bytes({"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+                       "process": process_identity(os.getpid())})
+    held = key  # the record of the runner that holds the run
+    for _ in range(MAX_TAKEOVERS):
+        if held == key and store.put_if_absent(key, mine):
+            return
+        try:
+            record = store.get_bytes(held)
+        except NotFound:  # the mark was removed meanwhile (its run never started)
+            held = key
+            continue
+        refuse_if_held(record, keys, store_uri)
+        taken = takeover_key(keys, record)
+        if store.put_if_absent(taken, mine):
+            store.put_bytes(key, mine)
+            return
+        held = taken  # another runner took this mark over first
+    raise SystemExit(f"shardrl run: run {keys.run_id} in {store_uri} changed hands "
+                     f"{MAX_TAKEOVERS} times while this runner tried to take it; try again")
+
+
+MAX_TAKEOVERS = 16
+"""Takeover records `claim` follows before it gives up (each is a runner that took the run
+over and ended before this one looked)."""
+
+
+def takeover_key(keys: RunKeys, record: bytes) -> str:
+    """The record that says which runner took over the holder whose record is `record`."""
+    return keys.state("runner", f"takeover-{hashlib.sha256(record).hexdigest()[:16]}.json")
 
 
 def refuse_if_in_use(store: Store, keys: RunKeys, store_uri: str) -> None:
     """Exit with a one-line error when a live runner on this machine holds the run's mark."""
     try:
-        other = store.get_json(started_key(keys))
+        record = store.get_bytes(started_key(keys))
     except StoreError:  # none (NotFound), or unreadable: no runner to refuse for
-        other = {}
+        return
+    refuse_if_held(record, keys, store_uri)
+
+
+def refuse_if_held(record: bytes, keys: RunKeys, store_uri: str) -> None:
+    """Exit with a one-line error when `record` (a runner's mark) names a live runner on this
+    machine other than this one; an unreadable record names none."""
+    try:
+        other = json.loads(record)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return
+    if not isinstance(other, dict):
+        return
     pid = other.get("pid")
     # a pid alone could be another process's by now (reused after the runner ended, or pid
     # 1 of a later container): the mark's process identity tells them apart
