@@ -391,7 +391,7 @@ def test_learner_gae_rewards_sit_on_the_last_policy_token_of_an_episode():
 
 
 def test_the_learner_counts_only_the_policys_tokens_of_an_episode():
-    from shardrl.stages.learn.loop import policy_tokens
+    from shardrl.stages.episodes import policy_tokens
 
     single = pa.table({"response_token_ids": pa.array([[5, 6, 7], [8]], pa.list_(pa.int32()))})
     assert policy_tokens(single) == 4

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..store.schemas import EPISODE
 from ..tasks.builtin import TaskItem
@@ -40,6 +41,7 @@ from ..tasks.environments import (
     episode_tokens,
     make_environment,
 )
+from .batch import POLICY_MASK
 
 if TYPE_CHECKING:
     from ..engines.base import Sample
@@ -217,6 +219,14 @@ def with_episode_columns(table: pa.Table, samples: Sequence[EpisodeSample]) -> p
         table = table.append_column(f, pa.array([getattr(s, f.name) for s in samples],
                                                 type=f.type))
     return table
+
+
+def policy_tokens(table: pa.Table) -> int:
+    """Response tokens the policy generated: all of them, or the masked-in ones of episodes
+    (the environment's replies between turns are not trained on)."""
+    if POLICY_MASK in table.column_names:
+        return int(pc.sum(pc.list_flatten(table.column(POLICY_MASK))).as_py() or 0)
+    return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
 
 def episode_metrics(table: pa.Table) -> dict[str, float]:

@@ -21,7 +21,7 @@ from ..tasks.source import make_task
 from .channel import Channel
 from .context import StageContext
 from .engine import PolicyEngine
-from .episodes import episode_metrics, episode_runner, with_episode_columns
+from .episodes import episode_metrics, episode_runner, policy_tokens, with_episode_columns
 from .staleness import (
     backlog_cap,
     batch_shards,
@@ -713,9 +713,7 @@ def _log_metrics(ctx: StageContext, version: int, latest: int, table: pa.Table,
     lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy()  # (N,)
     truncated = pc.equal(table.column("finish_reason"), "length").to_numpy()     # (N,)
     p50, p90 = np.percentile(lengths, [50, 90])
-    episodes = episode_metrics(table)
-    generated = (pc.sum(pc.list_flatten(table.column("policy_mask"))).as_py() or 0
-                 if episodes else lengths.sum())
+    generated = policy_tokens(table)
     ctx.metrics.log(version, {
         "response_length_mean": float(lengths.mean()),
         "response_length_p50": float(p50),
@@ -730,4 +728,4 @@ def _log_metrics(ctx: StageContext, version: int, latest: int, table: pa.Table,
         "busy_s": flow.busy_s,
         "generating_s": flow.generating_s,
         "sampling_cpu_s": flow.sampling_cpu_s,
-    } | episodes)
+    } | episode_metrics(table))

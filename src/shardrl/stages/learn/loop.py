@@ -19,10 +19,10 @@ from ...store.records import Aborted, Done, LearnerRestart, Progress, Taken
 from ...store.schemas import READY
 from ...store.shards import read_shard
 from .. import EXIT_RUN_ABORTED
-from ..batch import POLICY_MASK
 from ..channel import Channel
 from ..checkpoint import committed_checkpoint, latest_checkpoint, repair
 from ..context import StageContext
+from ..episodes import policy_tokens
 from ..policy import fetch_weights, point_latest, publish_dtype
 from ..retention import Retention
 from ..scan import Scanner
@@ -446,14 +446,6 @@ def resumable_state(state: dict[str, torch.Tensor], ckpt: int, version: int,
         return state
     return {k: v for k, v in state.items()
             if not (k.startswith(f"{POLICY}/") and k.endswith(f"/{MASTER}"))}
-
-
-def policy_tokens(table: pa.Table) -> int:
-    """Response tokens the policy generated: all of them, or the masked-in ones of episodes
-    (the environment's replies between turns are not trained on)."""
-    if POLICY_MASK in table.column_names:
-        return int(pc.sum(pc.list_flatten(table.column(POLICY_MASK))).as_py() or 0)
-    return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
 
 class Barren:
