@@ -2,16 +2,22 @@
 
 A write goes to a temp file in the destination's folder, is fsynced, then renamed over
 the key (`os.replace` is atomic on POSIX), so readers never see a partial object and
-several processes can write distinct keys at once.
+several processes can write distinct keys at once. The folder is fsynced after the rename,
+and the folder's own name in its parent (up to the root) the first time a process writes
+there, so a write that returned survives a crash of the machine too, not only of its
+process: the file's own fsync makes its bytes durable but not its name. Deletes are not
+synced: after a machine's crash a deleted object may be back.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -25,6 +31,65 @@ from shardrl.store.base import (
 )
 
 _TMP_SUFFIX = ".tmp"
+
+log = logging.getLogger("shardrl.store")
+
+
+_DURABLE: set[Path] = set()
+"""Folders whose names, and those of the folders above them up to a store's root, are known
+durable: synced by this process or by the one it was forked from. A folder's first write in
+a process syncs them, whoever made the folder (another writer, a watch); later writes need
+not. The store never removes a folder; one removed by hand and made again while a process
+runs is not synced again by that process."""
+
+_unsynced_warned = False
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder: the names made, renamed or linked in it become durable. A file system
+    that cannot sync a folder (EINVAL: some network and FUSE mounts) is left as it is, with
+    one warning per process."""
+    global _unsynced_warned
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+        if not _unsynced_warned:
+            _unsynced_warned = True
+            log.warning("the file system of %s cannot sync folders (%s): an object written "
+                        "there survives a crash of its writer, not of the machine", folder, e)
+    finally:
+        os.close(fd)
+
+
+def _durable_folder(folder: Path, root: Path) -> None:
+    """Make `folder` and its missing parents, then make its name and those of the folders
+    above it, up to `root`'s own, durable, unless already known to be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a key's file where the folder would be
+        raise NotADirectoryError(f"{folder} is not a folder") from None
+    chain = []
+    while folder not in _DURABLE:
+        chain.append(folder)
+        if folder == root:
+            break
+        folder = folder.parent
+    for each in chain:
+        if each == root:
+            with suppress(PermissionError):  # the store's parent need not be readable
+                _sync_folder(each.parent)
+        else:
+            _sync_folder(each.parent)
+    _DURABLE.update(chain)
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a failed write's temp file, if it was made (its folder may not be one)."""
+    with suppress(FileNotFoundError, NotADirectoryError):
+        tmp.unlink()
 
 
 def _link_new(tmp: Path, path: Path) -> None:
@@ -57,25 +122,27 @@ class LocalStore(Store):
     def writer(self, key: str, commit: Callable[[Path, Path], None] = os.replace,
                ) -> Iterator[IO[bytes]]:
         """A temp file beside the key's file, fsynced and renamed over it (`commit`) when the
-        block ends without an error, removed when it raises (an `OSError`, from a write in
-        the block too, as a `StoreError`; `commit`'s FileExistsError as it is)."""
+        block ends without an error, then the folder fsynced; the temp file removed when the
+        block raises (an `OSError`, from a write in the block too, as a `StoreError`;
+        `commit`'s FileExistsError as it is)."""
         path = self._path(key)
         # Temp names start with '.', which no key segment may, so list() never shows them.
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _durable_folder(path.parent, self.root)
             with open(tmp, "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
             commit(tmp, path)
+            _sync_folder(path.parent)
         except OSError as e:  # a write in the block too: the disk is full, say
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             if isinstance(e, FileExistsError):  # `commit` found the key taken
                 raise
             raise StoreError(f"cannot write {key!r} in {self.uri}: {e}") from e
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             raise
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
