@@ -36,8 +36,10 @@ def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path,
     return res.stdout + res.stderr
 
 
-def _fake_evals(store: Path, run_id: str, values: dict[int, float]) -> None:
-    """Evaluation summaries of `values` (version: pass@1), and the learner's DONE.json."""
+def _fake_evals(store: Path, run_id: str, values: dict[int, float],
+                setup: str | None = None) -> None:
+    """Evaluation summaries of `values` (version: pass@1), measured in `setup` if given, and
+    the learner's DONE.json."""
     (store / "runs" / run_id / "DONE.json").write_text(json.dumps(
         {"steps": max(values), "counts": {}, "time": 0.0, "staleness": {}, "converged": False}))
     d = store / "runs" / run_id / "eval"
@@ -47,7 +49,8 @@ def _fake_evals(store: Path, run_id: str, values: dict[int, float]) -> None:
         if version and not (policy / f"v{version:06d}").exists():  # same weights as v0
             shutil.copytree(policy / "v000000", policy / f"v{version:06d}")
         (d / f"v{version:06d}.json").write_text(json.dumps(
-            {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version}))
+            {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version,
+             **({"setup": setup} if setup else {})}))
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +63,12 @@ def registry(tmp_path_factory):
     return tmp, cfg, store
 
 
-def _promote(registry, run_id: str, evals: dict[int, float], cfg: Path | None = None) -> dict:
+def _promote(registry, run_id: str, evals: dict[int, float], cfg: Path | None = None,
+             setup: str | None = None) -> dict:
     tmp, base_cfg, store = registry
     cfg = cfg or base_cfg
     shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
-    _fake_evals(store, run_id, evals)
+    _fake_evals(store, run_id, evals, setup)
     _stage("promote", cfg, store, run_id, tmp)
     return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json").read_text())
 
@@ -120,6 +124,33 @@ def test_a_champion_without_the_metric_tag_stays_champion(registry):
     c.set_model_version_tag("promo-untagged", chosen.version, "eval.pass_at_1", "nan")
     third = _promote(registry, "run-u3", {0: 0.10, 5: 0.97}, untagged)
     assert third["champion"] is False and "no numeric" in third["champion_kept"]
+
+
+def test_a_champion_measured_another_way_stays_champion(registry):
+    """pass@1 on another task, held-out set or sampling does not compare: a challenger with a
+    higher figure measured otherwise does not take the champion's place."""
+    tmp, cfg, _ = registry
+    named = tmp / "setup.yaml"
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-setup}}\n")
+    first = _promote(registry, "run-s1", {0: 0.1, 5: 0.5}, named, setup="a" * 16)
+    assert first["champion"]
+    other = _promote(registry, "run-s2", {0: 0.1, 5: 0.9}, named, setup="b" * 16)
+    assert other["champion"] is False
+    assert other["champion_kept"].startswith(
+        f"champion promo-setup version {first['model_version']} was evaluated on other "
+        f"held-out items or with other sampling or scoring (shardrl.eval_setup {'a' * 16}, "
+        f"this run's {'b' * 16})")
+    c = _client(tmp)
+    assert str(c.get_model_version_by_alias("promo-setup", "champion").version) == \
+        str(first["model_version"])
+    assert c.get_model_version("promo-setup", other["model_version"]).tags[
+        "shardrl.eval_setup"] == "b" * 16
+    same = _promote(registry, "run-s3", {0: 0.1, 5: 0.6}, named, setup="a" * 16)
+    assert same["champion"] and "champion_kept" not in same
+    # a champion registered before setups were recorded compares on its metric alone
+    c.delete_model_version_tag("promo-setup", same["model_version"], "shardrl.eval_setup")
+    later = _promote(registry, "run-s4", {0: 0.1, 5: 0.7}, named, setup="b" * 16)
+    assert later["champion"]
 
 
 def _client(tmp: Path):

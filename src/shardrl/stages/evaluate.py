@@ -12,6 +12,8 @@ later version is due. A poll costs the same late in a run as at its start:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -166,6 +168,23 @@ def evaluate_snapshot(ctx: StageContext, task) -> dict:
         ectx.metrics.flush()
 
 
+def eval_setup(cfg, items) -> str:
+    """Short hash of what an evaluation's figures depend on besides the policy: the held-out
+    items themselves, how prompts are formatted, how samples are drawn and scored (the
+    reward section, the environment and its turns). Two evaluations compare only when
+    theirs agree; `promote` checks it before it moves the champion."""
+    setup = {
+        "items": [[it.prompt_id, it.prompt, it.answer, it.category] for it in items],
+        "prompt_format": cfg.task.prompt_format, "system_prompt": cfg.task.system_prompt,
+        "samples_per_prompt": cfg.eval.samples_per_prompt, "temperature": cfg.eval.temperature,
+        "max_new_tokens": cfg.eval_max_new_tokens, "seed": EVAL_SEED,
+        "reward": cfg.reward.model_dump(mode="json"), "environment": cfg.task.environment,
+        "max_turns": cfg.rollout.max_turns if cfg.task.environment else None,
+    }
+    blob = json.dumps(setup, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int) -> dict:
     cfg = ctx.cfg
     engine.ensure(version)
@@ -209,7 +228,7 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     published = ctx.store.get_json(ctx.keys.policy_file(version, MANIFEST))["time"]
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
-                   published=published, evaluated=time.time())
+                   published=published, evaluated=time.time(), setup=eval_setup(cfg, items))
     # the metrics are stored before the summary, which marks the version evaluated: a stage
     # stopped in between evaluates it again (the same points), never leaves them unlogged
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()

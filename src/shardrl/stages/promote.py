@@ -16,6 +16,10 @@ from .context import StageContext
 from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
 
+SETUP_TAG = "shardrl.eval_setup"
+"""A registered version's evaluation setup (`evaluate.eval_setup`): what its metric was
+measured on, besides the policy."""
+
 
 def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
     """The version to register: the best by `metric` (latest among equals) or the last."""
@@ -60,7 +64,8 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
 def register(ctx: StageContext, version: int, metric: float, summary: dict) -> dict:
     """Register policy `version` (once per run and version: a retry reuses the version an
     earlier attempt registered) and move the aliases: `challenger` to it unless a later
-    registration holds it already, `champion` when it beats the champion's metric."""
+    registration holds it already, `champion` when it beats the champion's metric measured
+    the same way (the same held-out items, sampling and scoring: `SETUP_TAG`)."""
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
     c = client(cfg)
@@ -72,6 +77,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
         tags = {RUN_TAG: ctx.run_id, POLICY_VERSION_TAG: str(version),
                 "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
         tags.update({f"eval.{k}": str(v) for k, v in summary.items() if isinstance(v, float)})
+        if summary.get("setup"):
+            tags[SETUP_TAG] = summary["setup"]
         with tempfile.TemporaryDirectory() as tmp:
             folder = _assemble(ctx, version, Path(tmp) / "model")
             info = log_policy(c, c.get_run(run).info.experiment_id, run, folder,
@@ -90,6 +97,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     champion = _alias(c, name, "champion")
     promoted, kept = False, None
     held = None if champion is None else _number(champion.tags.get(f"eval.{cfg.promote.metric}"))
+    # a champion registered before setups were recorded compares on its metric alone
+    setups = (None if champion is None else champion.tags.get(SETUP_TAG), summary.get("setup"))
     if champion is not None and champion.version == mv.version:
         promoted = True  # an earlier attempt made it champion
     elif champion is not None and held is None:
@@ -99,6 +108,14 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                 f"eval.{cfg.promote.metric} tag to compare with; it stays champion. Compare it with challenger version "
                 f"{mv.version} and move the alias by hand, or tag it eval."
                 f"{cfg.promote.metric}=VALUE for later runs to compare")
+        ctx.log.warning("promote: %s", kept)
+    elif None not in setups and setups[0] != setups[1]:
+        # another task, held-out set or sampling: the numbers do not measure the same thing
+        kept = (f"champion {name} version {champion.version} was evaluated on other held-out "
+                f"items or with other sampling or scoring ({SETUP_TAG} {setups[0]}, this "
+                f"run's {setups[1]}): its eval.{cfg.promote.metric} does not compare with "
+                f"this run's; it stays champion. Give each task its own promote.model_name, "
+                f"or move the alias by hand")
         ctx.log.warning("promote: %s", kept)
     elif champion is None or metric > held + margin:
         if champion is not None:
