@@ -83,6 +83,16 @@ def test_k1_in_the_loss_is_refused_and_allowed_in_the_reward():
     assert validate({"algo": {"kl": {"placement": "loss", "estimator": "k2"}}}).algo.kl.estimator == "k2"
 
 
+def test_nucleus_sampling_is_refused_for_training_rollouts():
+    """The rollout records the nucleus's renormalised log-probabilities; the learner trains
+    the full softmax: an on-policy token's importance ratio would be the nucleus's mass."""
+    (err,) = _errors({"rollout": {"top_p": 0.9}})
+    assert err.path == "rollout"
+    assert "rollout.top_p 0.9 < 1" in err.message and "nucleus's mass" in err.message
+    assert "rollout.temperature" in err.message
+    assert validate({"rollout": {"top_p": 1.0}}).rollout.top_p == 1.0
+
+
 def test_kl_placement_requires_a_reference():
     (err,) = _errors({"model": {"reference": "none"}, "algo": {"kl": {"placement": "loss"}}})
     assert "needs a reference model" in err.message and "model.reference" in err.message

@@ -50,7 +50,7 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0.0, le=4.0)
     """Sampling temperature (the learner uses the same one)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling."""
+    """Nucleus sampling: 1 only (see `_full_distribution`); `temperature` sets exploration."""
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Response length limit; a response hitting it has finish_reason 'length'."""
     max_turns: int = Field(1, ge=1, le=1024)
@@ -98,6 +98,19 @@ class RolloutConfig(Section):
     """Torch threads per rollout worker on CPU."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """vLLM only: share of GPU memory for weights and KV cache."""
+
+    @model_validator(mode="after")
+    def _full_distribution(self) -> RolloutConfig:
+        if self.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p {self.top_p} < 1: the nucleus's renormalised probabilities, "
+                "which the rollout records as the behaviour log-probabilities, are not the "
+                "policy's that the learner trains (the full softmax at `temperature`): the "
+                "importance ratio of an on-policy token would start at the nucleus's mass "
+                "instead of 1 (PPO clips at 1 - eps_low, CISPO scales by it), and a KL "
+                "penalty in the reward would gain -log(mass) per token. Keep top_p 1 and "
+                "set exploration with rollout.temperature")
+        return self
 
 
 class PrepareConfig(Section):
