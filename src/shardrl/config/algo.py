@@ -186,7 +186,8 @@ class CriticConfig(Section):
     """Value model for GAE: the reference backbone with a scalar head."""
 
     lr: float = Field(1e-4, gt=0.0, le=1.0)
-    """Critic learning rate."""
+    """Critic learning rate, constant: the policy's schedule (`learner.warmup_steps`,
+    `learner.schedule`) does not apply, so the value head learns from the first step."""
     vf_coef: float = Field(0.5, gt=0.0, le=100.0)
     """Weight of the value loss."""
     clip_range: float | None = Field(None, gt=0.0, le=1e6)
