@@ -117,6 +117,36 @@ def test_retries_stop_at_the_deadline():
     assert calls["n"] == 3 and fake.sleeps == [0.5, 1.0]
 
 
+def test_the_deadline_counts_from_the_first_failure_not_from_a_long_transfer():
+    """A checkpoint's upload that ran 150 s before its connection broke is retried under a
+    120 s deadline: the transfer was not outage time."""
+    fake = FakeTime()
+    calls = {"n": 0}
+
+    def upload() -> str:
+        calls["n"] += 1
+        fake.now += 150.0  # the transfer, until the connection resets (or, then, succeeds)
+        if calls["n"] == 1:
+            raise ConnectionError("reset by peer")
+        return "ok"
+
+    retrier = _retrier(RetryPolicy(base_delay_s=1.0, max_delay_s=4.0, deadline_s=120.0), fake)
+    assert retrier.call("put", upload) == "ok"
+    assert calls["n"] == 2 and fake.sleeps == [0.5]
+
+    # failing for longer than the deadline since the first failure still gives up
+    fake, calls["n"] = FakeTime(), 0
+
+    def slow_failure() -> None:
+        fake.now += 100.0
+        raise ConnectionError("reset by peer")
+
+    retrier = _retrier(RetryPolicy(base_delay_s=1.0, max_delay_s=4.0, deadline_s=120.0), fake)
+    # failures at t=100 (the clock starts), 200.5 (100.5 s in: a retry still fits) and 301.5
+    with pytest.raises(StoreUnavailable, match=r"after 3 attempts over 201\.5 s"):
+        retrier.call("put", slow_failure)
+
+
 def test_retries_stop_after_max_attempts_and_permanent_errors_are_not_retried():
     fake = FakeTime()
     op, calls = _failing(100)

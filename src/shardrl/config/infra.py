@@ -21,7 +21,9 @@ class RetryConfig(Section):
     max_delay_s: float = Field(5.0, gt=0.0, le=600.0)
     """Largest backoff delay."""
     deadline_s: float = Field(120.0, gt=0.0, le=86400.0)
-    """Give up (and fail the stage with a clear message) after this long."""
+    """Give up (and fail the stage with a clear message) once an operation has been failing
+    for this long, counted from its first failure (not from its start: a long upload cut
+    late is retried)."""
 
 
 STORE_CREDENTIALS = (

@@ -267,8 +267,12 @@ class Retrier:
         `report("start", "ErrorType: message")` and `report("end", None)` (see `relay`)."""
 
     def call(self, what: str, op: Callable[[], T]) -> T:
-        """Return `op()`, retrying transient failures; `what` names the operation in errors."""
-        start = self._clock()
+        """Return `op()`, retrying transient failures; `what` names the operation in errors.
+
+        The deadline counts from the first failure: the time a long transfer ran before
+        the connection broke is not outage time, so a large checkpoint's upload cut late
+        is retried like a small write."""
+        start: float | None = None
         attempt = 0
         while True:
             attempt += 1
@@ -278,6 +282,8 @@ class Retrier:
                 if not self._is_transient(e):
                     raise
                 self.outage_seen(f"{type(e).__name__}: {e}")
+                if start is None:
+                    start = self._clock()
                 elapsed = self._clock() - start
                 with self._lock:
                     delay = self.policy.delay(attempt, self._rng.random())
