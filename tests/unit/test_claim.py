@@ -139,3 +139,25 @@ def test_two_resumers_at_once_one_takes_the_run(tmp_path):
     loser = next(pid for pid in errors if pid != claimed[0])
     assert f"in use by the runner with process id {claimed[0]}" in errors[loser]
     assert store.get_json(started_key(keys))["pid"] == claimed[0]
+
+
+class LostAnswers(LocalStore):
+    """A store whose conditional writes land but answer 'taken', as an S3 put retried after
+    a lost response finds its own first attempt's object."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        super().put_if_absent(key, data)
+        return False
+
+
+@linux
+def test_a_claim_whose_answers_are_lost_finds_its_own_write(tmp_path):
+    store, keys = LostAnswers(tmp_path), RunKeys("r")
+    claim(store, keys, "store")  # used to give up: "changed hands 16 times"
+    assert store.get_json(started_key(keys))["pid"] == os.getpid()
+    # a stale mark taken over, the takeover record's answer lost as well
+    store.put_json(started_key(keys), _ended_mark())
+    record = store.get_bytes(started_key(keys))
+    claim(store, keys, "store")
+    assert store.get_json(started_key(keys))["pid"] == os.getpid()
+    assert store.get_bytes(takeover_key(keys, record)) == store.get_bytes(started_key(keys))

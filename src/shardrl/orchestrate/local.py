@@ -318,6 +318,10 @@ def claim(store: Store, keys: RunKeys, store_uri: str) -> None:
         except NotFound:  # the mark was removed meanwhile (its run never started)
             held = key
             continue
+        if record == mine:  # this runner's own write, whose answer was lost (S3 retried it)
+            if held != key:
+                store.put_bytes(key, mine)
+            return
         refuse_if_held(record, keys, store_uri)
         taken = takeover_key(keys, record)
         if store.put_if_absent(taken, mine):
