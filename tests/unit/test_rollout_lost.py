@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from shardrl.config import load_config
 from shardrl.stages.context import StageContext
 from shardrl.stages.rollout import LOST_CHECK_S, REMEMBERED_SHARDS, Flow
@@ -61,6 +64,21 @@ def test_a_shard_written_before_a_restart_counts_at_the_keep_rate(tmp_path):
     quarantine(ctx, "learn", "ready", 0, 7)
     f.check_lost()
     assert f.lost == {7: (16, 4.0)}  # 16 prompts per shard, at a keep rate of 1/4
+
+
+def test_a_readable_shard_written_before_a_restart_counts_as_its_file_says(tmp_path):
+    """A shard quarantined for its values still reads as a table: its own counts leave the
+    backlog, not an average shard's, which would leave the cap off for good."""
+    f, ctx = make_flow(tmp_path)
+    f.groups, f.kept = 64, 16  # a keep rate of 1/4, as above
+    table = pa.table({"group_id": ["g1", "g1", "g2", "g2", "g3", "g3"],
+                      "keep": [True, True, False, False, True, True]})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    key = ctx.keys.quarantine("learn", ctx.keys.shard("ready", 3, 0, 7))
+    ctx.store.put_bytes(key, sink.getvalue().to_pybytes())
+    f.check_lost()
+    assert f.lost == {7: (3, 2)}  # 3 groups, 2 of them kept
 
 
 def test_staged_post_processing_counts_a_rollout_shard_score_quarantined(tmp_path):

@@ -10,9 +10,10 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ..config.stages import StandbyConfig
-from ..store import RunKeys, Store
+from ..store import RunKeys, Store, StoreError
 from ..store.keys import parse_shard_key
 from ..store.records import Buffered, Progress, RetiredChange, Taken, WorkerState
 from ..store.schemas import READY, ROLLOUT, TOKENS
@@ -369,7 +370,7 @@ class Flow:
         corrupt or foreign file) moved it there, so the learner never commits its groups,
         and counted as waiting they would shrink the worker's cap for good (a small cap to
         nothing: the run would stop). Their groups leave the backlog; a shard written
-        before this process started (or long before) counts as an average one of this worker."""
+        before this process started (or long before) counts as its file says (`_count`)."""
         keys, prefix = self.ctx.keys, self.ctx.keys.quarantine_prefix()
         found = (k for stage in LOST_STAGES for k in self.ctx.store.list(f"{prefix}{stage}/"))
         for key in found:
@@ -382,16 +383,30 @@ class Flow:
                 continue
             if shard.worker != self.ctx.worker or shard.seq in self.lost:
                 continue
-            known = self.written.get(shard.seq)
-            if known is None:
-                groups = self.ctx.cfg.rollout.prompts_per_shard
-                known = (groups, groups * keep_rate(self.kept, self.groups) if self.exact
-                         else groups)
+            known = self.written.get(shard.seq) or self._count(key)
             self.lost[shard.seq] = known
             self.ctx.log.warning(
                 "%s quarantined this worker's shard %s (see %s.error.json): its %d prompt "
                 "groups (%.0f kept) will never be committed and no longer count as waiting",
                 stage, original, key, known[0], known[1])
+
+    def _count(self, key: str) -> tuple[int, float]:
+        """(prompt groups, kept groups) of a quarantined shard this process did not write:
+        read from its file where the file still reads as a table (a shard quarantined for
+        its schema or values), else those of an average shard of this worker
+        (`rollout.prompts_per_shard` groups at the keep rate of what the learner committed):
+        an estimate, since a corrupt file tells nothing."""
+        from .inline import kept_groups
+
+        try:
+            table = pq.read_table(pa.BufferReader(self.ctx.store.get_bytes(key)))
+            groups = len(pc.unique(table.column("group_id")))
+            kept = kept_groups(table) if "keep" in table.column_names else None
+        except (pa.ArrowException, KeyError, StoreError):
+            groups, kept = self.ctx.cfg.rollout.prompts_per_shard, None
+        if kept is None:
+            kept = groups * keep_rate(self.kept, self.groups) if self.exact else groups
+        return groups, kept
 
     def backlog(self, progress: Progress) -> float:
         if self.exact:
