@@ -185,3 +185,31 @@ def test_pass_rate_history_and_retired_set_are_stored_incrementally(tmp_path):
     assert tracker.pass_rate("easy") == 0.0 and tracker.retired() == {"easy"}
     assert store.list(keys.retired_prefix()) == changes
     assert early_reader.refresh() == {"easy"} and RetiredPrompts(store, keys).refresh() == {"easy"}
+
+
+def test_a_recovery_window_longer_than_the_names_remembered_merges_nothing_twice(
+        tmp_path, monkeypatch):
+    """Ready shards merged so long ago that the preparer's list of recent names dropped
+    them are not merged again when a restarted preparer recovers a window that still holds
+    them (a large batch, or a slow worker's open version): their outcomes and rewards used
+    to count twice."""
+    monkeypatch.setattr("shardrl.stages.prepare.RECENT", 2)
+    ctx = context(tmp_path, "rollout", "algo.shaping.normalize=true")
+    store, keys, post = ctx.store, ctx.keys, InlinePostprocess(ctx)
+    for seq in range(5):  # worker 0's shards 0-4, all in version 3
+        key = keys.rollout(3, 0, seq)
+        table = rollout_table(3, 0, seq)
+        scored, ready = post.process(table)
+        post.write(key, table, scored, ready, post.preparer.record(key, ready))
+    assert post.preparer.recent == ["w00-000003.parquet", "w00-000004.parquet"]
+    assert post.preparer.forgotten == {0: 2}
+    merged = post.preparer.moments.state_dict()["count"]
+    assert merged == 40
+    # one more ready shard written, and the worker killed before its state was saved
+    key = keys.rollout(3, 0, 5)
+    scored, ready = post.process(rollout_table(3, 0, 5))
+    write_shard(store, keys.ready_for(key), ready, READY)
+    restarted = InlinePostprocess(ctx)
+    assert restarted.preparer.forgotten == {0: 2}
+    restarted.recover(last_version=3, newest=3)
+    assert restarted.preparer.moments.state_dict()["count"] == merged + 8  # shard 5 alone

@@ -18,7 +18,7 @@ from ..algo import (
     shard_norm,
     zero_variance_keep,
 )
-from ..store.keys import shard_name
+from ..store.keys import shard_name, shard_numbers
 from ..store.records import PassRateSnapshot, PrepareState, Progress, RetiredChange
 from ..store.schemas import READY, SCORED
 from ..store.shards import read_shard, write_shard
@@ -130,6 +130,7 @@ class Preparer:
         if saved.moments:
             self.moments.load_state_dict(saved.moments)
         self.recent = saved.recent
+        self.forgotten = dict(saved.forgotten)
         self.snapshot, self.replay = saved.passrate_snapshot, saved.replay
         self.retired_changes = saved.retired_changes
         if self.tracker is not None:
@@ -157,10 +158,17 @@ class Preparer:
         keys = self.ctx.keys
         for version in range(low, newest + 1):
             for key in self.ctx.store.list(keys.version_prefix("ready", version)):
-                if shard_name(key) not in known and shard_name(key).startswith(only):
+                if (shard_name(key) not in known and shard_name(key).startswith(only)
+                        and not self._forgotten(key)):
                     self.ctx.log.info("recovering statistics of %s", key)
                     self.merged(key, read_shard(self.ctx.store, key, READY),
                                 update_moments=True)
+
+    def _forgotten(self, key: str) -> bool:
+        """Whether ready shard `key` was merged so long ago that `recent` no longer names it
+        (a window of more than `RECENT` shards)."""
+        worker, seq = shard_numbers(shard_name(key))
+        return seq <= self.forgotten.get(worker, -1)
 
     def prepare(self, table: pa.Table) -> pa.Table:
         """The ready shard of a scored one. Rows whose reward or logprobs are not finite are
@@ -219,7 +227,11 @@ class Preparer:
         if not self.stateful:
             return writes
         ready_key = self.ctx.keys.ready_for(key)
-        self.recent = (self.recent + [shard_name(ready_key)])[-RECENT:]
+        self.recent.append(shard_name(ready_key))
+        for name in self.recent[:-RECENT]:  # the oldest, dropped: remembered by number
+            worker, seq = shard_numbers(name)
+            self.forgotten[worker] = max(seq, self.forgotten.get(worker, -1))
+        self.recent = self.recent[-RECENT:]
         if self.tracker is not None:
             added = self.tracker.update(ready.column("prompt_id").to_pylist(),
                                         ready.column("correct").to_pylist())
@@ -241,7 +253,8 @@ class Preparer:
                 self.retired_changes += 1
         writes.state = PrepareState(
             moments={k: float(v) for k, v in self.moments.state_dict().items()},
-            recent=list(self.recent), passrate_snapshot=self.snapshot, replay=list(self.replay),
+            recent=list(self.recent), forgotten=dict(self.forgotten),
+            passrate_snapshot=self.snapshot, replay=list(self.replay),
             retired_changes=self.retired_changes)
         return writes
 

@@ -98,6 +98,17 @@ def shard_name(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
+_SHARD_NAME = re.compile(r"w(?P<worker>\d+)-(?P<seq>\d+)\.parquet\Z")
+
+
+def shard_numbers(name: str) -> tuple[int, int]:
+    """(worker, sequence number) of a shard name (`shard_name`); ValueError if malformed."""
+    m = _SHARD_NAME.match(name)
+    if m is None:
+        raise ValueError(f"not a shard name: {name!r} (expected w<worker>-<number>.parquet)")
+    return int(m["worker"]), int(m["seq"])
+
+
 _EVAL_SUMMARY = re.compile(r"runs/[^/]+/eval/v(?P<version>\d{6})\.json\Z")
 
 

@@ -204,6 +204,10 @@ class PrepareState(Record):
     """Running reward moments (reward normalization)."""
     recent: list[str] = []
     """Names of the last ready shards merged (exact recovery after a crash)."""
+    forgotten: dict[int, int] = {}
+    """Per rollout worker, the highest shard number among the merged names dropped from
+    `recent`: a ready shard numbered up to it was merged long ago, however many shards a
+    recovery's window holds."""
     passrate_snapshot: int | None = None
     """Number of the pass-rate snapshot the history starts from (No-Positive-Resampling)."""
     replay: list[str] = []
