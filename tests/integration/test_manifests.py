@@ -114,10 +114,13 @@ def test_s3_endpoint_is_the_overlays_object_store(rendered):
         assert (endpoint.hostname, endpoint.port) == ("minio-service.kubeflow", 9000)
         assert (endpoint.hostname, endpoint.port) == (cluster.KUBEFLOW_S3_SERVICE,
                                                       cluster.KUBEFLOW_S3_PORT)
-        assert ("Deployment", "seaweedfs") not in objects
+        assert ("Deployment", "shardrl-s3") not in objects
     else:
-        assert (endpoint.hostname, endpoint.port) == ("seaweedfs", 8333)
-        assert_service_reaches(objects, "seaweedfs", 8333, "seaweedfs")
+        assert (endpoint.hostname, endpoint.port) == ("shardrl-s3", 8333)
+        assert_service_reaches(objects, "shardrl-s3", 8333, "shardrl-s3")
+        # Kubeflow Pipelines' own store is named seaweedfs in the same namespace: nothing
+        # here may replace it
+        assert not [name for _, name in objects if name.startswith("seaweedfs")]
 
 
 def test_bucket_and_artifact_store_match_the_pipeline_store(rendered):
@@ -307,7 +310,7 @@ def test_network_policies_admit_only_who_needs_each_service(rendered):
     expected = {"mlflow-db": ({"app.kubernetes.io/name": "mlflow"}, 5432),
                 "mlflow": ({}, 5000)}
     if overlay == "standalone":
-        expected["seaweedfs"] = ({}, 8333)
+        expected["shardrl-s3"] = ({}, 8333)
     assert set(policies) == set(expected)
     namespace = objects[("Deployment", "mlflow")]["metadata"]["namespace"]
     for name, (source, port) in expected.items():
@@ -321,6 +324,21 @@ def test_network_policies_admit_only_who_needs_each_service(rendered):
         assert objects[("NetworkPolicy", name)]["metadata"]["namespace"] == namespace
 
 
+def test_in_a_profile_namespace_mlflow_stays_out_of_the_mesh(rendered):
+    """Kubeflow's pipeline pods have no Istio sidecar; a profile's policy admits only mesh
+    identities to sidecar-injected workloads, so MLflow and its database are not injected
+    there (and nothing else changes: the stand-alone overlay has no mesh)."""
+    overlay, objects = rendered
+    for kind, name in (("Deployment", "mlflow"), ("StatefulSet", "mlflow-db")):
+        template = objects[(kind, name)]["spec"]["template"]["metadata"]
+        annotations = template.get("annotations", {})
+        if overlay == "kubeflow":
+            assert annotations == {"sidecar.istio.io/inject": "false"}
+            assert template["labels"]["app.kubernetes.io/name"] == name  # labels kept
+        else:
+            assert "sidecar.istio.io/inject" not in annotations
+
+
 # ---- SeaweedFS: configured before it serves ------------------------------------------------
 
 def test_seaweedfs_starts_with_its_identity_and_never_anonymous(tmp_path):
@@ -329,7 +347,7 @@ def test_seaweedfs_starts_with_its_identity_and_never_anonymous(tmp_path):
     the server is told to use it; nothing runs after start (no postStart hook)."""
     objects, values = render_overlay(tmp_path, "standalone")
     (deployment,) = [o for o in objects if o["kind"] == "Deployment" and
-                     o["metadata"]["name"] == "seaweedfs"]
+                     o["metadata"]["name"] == "shardrl-s3"]
     (c,) = deployment["spec"]["template"]["spec"]["containers"]
     assert "lifecycle" not in c
     assert c["command"] == ["/bin/sh", "-ec"]
