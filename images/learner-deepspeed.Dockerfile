@@ -25,11 +25,16 @@ RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shar
 # ~/.cache made here, the user's: the tasks mount their cache volume at ~/.cache/shardrl,
 # and a missing parent of a mount point would be created as root, leaving the libraries
 # (vLLM's compile cache, torch extensions) no ~/.cache to write to
-# torch from PyPI (CUDA wheels) before DeepSpeed, whose setup reads the installed torch.
+# torch from PyPI (CUDA wheels) before DeepSpeed, whose setup reads the installed torch:
+# DeepSpeed (an sdist) is built without pip's build isolation, as `make` installs it, since
+# an isolated build would fetch another, unpinned torch to build against.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 COPY pyproject.toml images/requirements.py /tmp/build/
 RUN python /tmp/build/requirements.py /tmp/build/pyproject.toml deepspeed > /tmp/build/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/build/requirements.txt \
+    && grep -v '^deepspeed' /tmp/build/requirements.txt > /tmp/build/base.txt \
+    && grep '^deepspeed' /tmp/build/requirements.txt > /tmp/build/deepspeed.txt \
+    && pip install --no-cache-dir -r /tmp/build/base.txt setuptools wheel \
+    && pip install --no-cache-dir --no-build-isolation -r /tmp/build/deepspeed.txt \
     && rm -rf /tmp/build
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels

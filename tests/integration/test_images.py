@@ -94,6 +94,21 @@ def test_stage_images_install_the_package_with_their_extra(name):
     assert out[0].startswith("torch")  # project dependencies come first
 
 
+def test_deepspeed_is_built_against_the_images_torch():
+    """An isolated build of DeepSpeed's sdist would fetch another torch to build against."""
+    runs = [arg for op, arg in instructions(DOCKERFILES["shardrl-learner-deepspeed"])
+            if op == "RUN"]
+    (install,) = [r for r in runs if "requirements.py" in r]
+    steps = [step.strip() for step in install.split("&&")]
+    (isolated,) = [s for s in steps if s.startswith("pip install") and "base.txt" in s]
+    (built,) = [s for s in steps if s.startswith("pip install") and "deepspeed.txt" in s]
+    assert "--no-build-isolation" in built and "--no-build-isolation" not in isolated
+    assert steps.index(isolated) < steps.index(built)
+    assert "grep -v '^deepspeed'" in install and "grep '^deepspeed'" in install
+    torch_first = [r for r in runs if r.startswith('pip install --no-cache-dir "torch==')]
+    assert torch_first and runs.index(torch_first[0]) < runs.index(install)
+
+
 def test_mlflow_image_matches_the_client_version():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     (pin,) = [d for d in pyproject["dependencies"] if d.startswith("mlflow==")]
