@@ -12,9 +12,10 @@ stays the record: the channel holds the last `KEEP` versions and nothing else; t
 empties it when its next check (every half second) sees the learner fail, before the
 restart's backoff, and a learner empties it as it starts, so a
 worker never takes a version from it that a restarted learner has not made (one it took
-before that learner's crash is the one difference: its shards name a version the new learner
-will make again, from its own batch; they train as any sample does, on their recorded
-log-probabilities). The channel is only a shortcut: a version the folder refuses (shared
+before that learner's crash is the one difference: the worker samples with it until the
+store holds a newer version than its number, about two steps after the restart, and those
+shards name a version the new learner makes again from its own batch; they train as any
+sample does, on their recorded log-probabilities). The channel is only a shortcut: a version the folder refuses (shared
 memory full) is logged and skipped, and the workers wait for its commit.
 """
 
