@@ -50,6 +50,7 @@ def _fake_evals(store: Path, run_id: str, values: dict[int, float],
             shutil.copytree(policy / "v000000", policy / f"v{version:06d}")
         (d / f"v{version:06d}.json").write_text(json.dumps(
             {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version,
+             "seconds": 1.5, "published": 1.7e9, "evaluated": 1.7e9 + 9, "temperature": 1.0,
              **({"setup": setup} if setup else {})}))
 
 
@@ -172,6 +173,9 @@ def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(
     assert mv.tags["shardrl.run_id"] == "run-a"
     assert mv.tags["shardrl.policy_version"] == "5"
     assert float(mv.tags["eval.pass_at_1"]) == 0.5
+    # the evaluation's figures, not its timing or settings
+    assert {k for k in mv.tags if k.startswith("eval.")} == {
+        "eval.pass_at_1", "eval.mean_reward", "eval.mean_length"}
     assert len(mv.tags["shardrl.config_hash"]) == 12
     # set_tracking_uri exports MLFLOW_TRACKING_URI too: monkeypatch puts it back afterwards,
     # or later tests' runs would log here

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from .engine import PolicyEngine
 
 EVAL_SEED = 12_345
+NOT_FIGURES = ("seconds", "temperature", "published", "evaluated")
+"""A summary's numbers that are not the evaluation's figures: its timing and settings."""
 
 
 def wanted(version: int, every: int, total: int) -> bool:
@@ -232,8 +234,7 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     # the metrics are stored before the summary, which marks the version evaluated: a stage
     # stopped in between evaluates it again (the same points), never leaves them unlogged
     ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
-                              if isinstance(v, float)
-                              and k not in ("seconds", "temperature", "published", "evaluated")})
+                              if isinstance(v, float) and k not in NOT_FIGURES})
     ctx.metrics.flush()
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
     EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())

@@ -13,6 +13,7 @@ from ..tracking.mlflow_run import RUN_TAG, client, find_or_create_run
 from ..tracking.registry import POLICY_VERSION_TAG, find_version, log_policy
 from . import EXIT_RUN_ABORTED
 from .context import StageContext
+from .evaluate import NOT_FIGURES
 from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
 
@@ -76,7 +77,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     if mv is None:
         tags = {RUN_TAG: ctx.run_id, POLICY_VERSION_TAG: str(version),
                 "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
-        tags.update({f"eval.{k}": str(v) for k, v in summary.items() if isinstance(v, float)})
+        tags.update({f"eval.{k}": str(v) for k, v in summary.items()
+                     if isinstance(v, float) and k not in NOT_FIGURES})
         if summary.get("setup"):
             tags[SETUP_TAG] = summary["setup"]
         with tempfile.TemporaryDirectory() as tmp:
