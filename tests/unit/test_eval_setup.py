@@ -2,6 +2,7 @@
 promote compares before it moves the champion."""
 
 from shardrl.config import load_config
+from shardrl.config.data import OverlongPenalty
 from shardrl.stages.evaluate import eval_setup
 from shardrl.tasks.builtin import TaskItem
 
@@ -32,6 +33,21 @@ def test_another_held_out_set_sampling_or_scoring_gives_another_setup():
         eval_setup(_cfg(eval={"samples_per_prompt": 4}), ITEMS),
         eval_setup(_cfg(eval={"max_new_tokens": 3}), ITEMS),
         eval_setup(_cfg(task={"prompt_format": "chat"}), ITEMS),
-        eval_setup(_cfg(reward={"overlong": None, "verifiers": []}), ITEMS),
+        eval_setup(_cfg(task={"source": _cfg().task.source.model_copy(
+            update={"name": "addition"})}), ITEMS),  # another task's verifier
     ]
     assert base not in others and len(set(others)) == len(others)
+
+
+def test_the_training_reward_is_not_part_of_the_setup():
+    """An evaluation scores with the task's verifier, not the training reward's shaping, a
+    reward model or an overlong penalty: changing those compares as before."""
+    cfg = _cfg()
+    shaped = _cfg(reward={"overlong": OverlongPenalty(buffer_tokens=2, penalty=0.5)})
+    assert shaped.reward != cfg.reward
+    assert eval_setup(shaped, ITEMS) == eval_setup(cfg, ITEMS)
+    # in an environment the sandbox's limits shape the episodes: there they count
+    calc = load_config("calculator")
+    tighter = calc.model_copy(update={"reward": calc.reward.model_copy(update={
+        "sandbox": calc.reward.sandbox.model_copy(update={"wall_seconds": 0.5})})})
+    assert eval_setup(tighter, ITEMS) != eval_setup(calc, ITEMS)

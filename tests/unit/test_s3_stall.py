@@ -56,7 +56,7 @@ def test_a_stalled_request_is_retried_and_fails_within_the_deadline(silent_serve
     # a read waits a quarter of the deadline here (1 s): it used to wait 120 s
     assert READ_TIMEOUT_S[0] == 1.0 and deadline / 4 == 1.0
     # the deadline counts from the first failure, the first stall's end (1 s in)
-    assert deadline + 1 <= elapsed < deadline + 3, elapsed
+    assert deadline + 1 <= elapsed < deadline + 4, elapsed
     attempts = int(str(failed.value).split("after ")[1].split(" attempts")[0])
     assert attempts >= 3 and len(held) >= 3  # each retry on a new connection
     assert "read timeout=1.0" in str(failed.value)

@@ -173,15 +173,20 @@ def evaluate_snapshot(ctx: StageContext, task) -> dict:
 def eval_setup(cfg, items) -> str:
     """Short hash of what an evaluation's figures depend on besides the policy: the held-out
     items themselves, how prompts are formatted, how samples are drawn and scored (the
-    reward section, the environment and its turns). Two evaluations compare only when
+    task's own verifier; in an environment, the environment, its turns and the sandbox's
+    limits). The training reward's settings (shaping, a reward model, overlong penalties)
+    are not in it: an evaluation does not use them. Two evaluations compare only when
     theirs agree; `promote` checks it before it moves the champion."""
+    episodes = cfg.task.environment is not None
     setup = {
         "items": [[it.prompt_id, it.prompt, it.answer, it.category] for it in items],
+        "verifier": [cfg.task.source.kind, getattr(cfg.task.source, "name", None)],
         "prompt_format": cfg.task.prompt_format, "system_prompt": cfg.task.system_prompt,
         "samples_per_prompt": cfg.eval.samples_per_prompt, "temperature": cfg.eval.temperature,
         "max_new_tokens": cfg.eval_max_new_tokens, "seed": EVAL_SEED,
-        "reward": cfg.reward.model_dump(mode="json"), "environment": cfg.task.environment,
-        "max_turns": cfg.rollout.max_turns if cfg.task.environment else None,
+        "environment": cfg.task.environment,
+        "max_turns": cfg.rollout.max_turns if episodes else None,
+        "sandbox": cfg.reward.sandbox.model_dump(mode="json") if episodes else None,
     }
     blob = json.dumps(setup, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -166,7 +166,10 @@ class Preparer:
 
     def _forgotten(self, key: str) -> bool:
         """Whether ready shard `key` was merged so long ago that `recent` no longer names it
-        (a window of more than `RECENT` shards)."""
+        (a window of more than `RECENT` shards). It takes a worker's shards to be merged
+        in about the order of their numbers: one merged more than `RECENT` shards after a
+        higher-numbered one of its worker, and not yet saved at a crash, would be taken
+        for merged."""
         worker, seq = shard_numbers(shard_name(key))
         return seq <= self.forgotten.get(worker, -1)
 

@@ -100,7 +100,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
     promoted, kept = False, None
     held = None if champion is None else _number(champion.tags.get(f"eval.{cfg.promote.metric}"))
     # a champion registered before setups were recorded compares on its metric alone
-    setups = (None if champion is None else champion.tags.get(SETUP_TAG), summary.get("setup"))
+    theirs = None if champion is None else champion.tags.get(SETUP_TAG)
+    ours = summary.get("setup")
     if champion is not None and champion.version == mv.version:
         promoted = True  # an earlier attempt made it champion
     elif champion is not None and held is None:
@@ -111,11 +112,11 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                 f"{mv.version} and move the alias by hand, or tag it eval."
                 f"{cfg.promote.metric}=VALUE for later runs to compare")
         ctx.log.warning("promote: %s", kept)
-    elif None not in setups and setups[0] != setups[1]:
+    elif theirs is not None and ours is not None and theirs != ours:
         # another task, held-out set or sampling: the numbers do not measure the same thing
         kept = (f"champion {name} version {champion.version} was evaluated on other held-out "
-                f"items or with other sampling or scoring ({SETUP_TAG} {setups[0]}, this "
-                f"run's {setups[1]}): its eval.{cfg.promote.metric} does not compare with "
+                f"items or with other sampling or scoring ({SETUP_TAG} {theirs}, this "
+                f"run's {ours}): its eval.{cfg.promote.metric} does not compare with "
                 f"this run's; it stays champion. Give each task its own promote.model_name, "
                 f"or move the alias by hand")
         ctx.log.warning("promote: %s", kept)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from itertools import chain
 
 import numpy as np
@@ -398,12 +399,15 @@ class Flow:
         an estimate, since a corrupt file tells nothing."""
         from .inline import kept_groups
 
+        groups, kept = self.ctx.cfg.rollout.prompts_per_shard, None
         try:
             table = pq.read_table(pa.BufferReader(self.ctx.store.get_bytes(key)))
             groups = len(pc.unique(table.column("group_id")))
-            kept = kept_groups(table) if "keep" in table.column_names else None
         except (pa.ArrowException, KeyError, StoreError):
-            groups, kept = self.ctx.cfg.rollout.prompts_per_shard, None
+            pass  # not a table, or no groups: an average shard
+        else:
+            with suppress(pa.ArrowException, KeyError):  # its groups known, perhaps not kept
+                kept = kept_groups(table)
         if kept is None:
             kept = groups * keep_rate(self.kept, self.groups) if self.exact else groups
         return groups, kept

@@ -271,7 +271,8 @@ class Retrier:
 
         The deadline counts from the first failure: the time a long transfer ran before
         the connection broke is not outage time, so a large checkpoint's upload cut late
-        is retried like a small write."""
+        gets a retry. The retries' own transfers count: an upload longer than the deadline
+        gets that one retry."""
         start: float | None = None
         attempt = 0
         while True:

@@ -124,7 +124,8 @@ class LocalStore(Store):
         """A temp file beside the key's file, fsynced and renamed over it (`commit`) when the
         block ends without an error, then the folder fsynced; the temp file removed when the
         block raises (an `OSError`, from a write in the block too, as a `StoreError`;
-        `commit`'s FileExistsError as it is)."""
+        `commit`'s FileExistsError as it is). Should the folder's sync fail after the
+        rename, the object exists but the write raises: it is not known durable."""
         path = self._path(key)
         # Temp names start with '.', which no key segment may, so list() never shows them.
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
