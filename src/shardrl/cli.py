@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--run-id", required=True)
     st.add_argument("--store", help="store URI overriding store.uri")
     st.add_argument("--worker", type=non_negative, default=0, help="replica index (0-based)")
-    st.add_argument("--workers", type=positive, default=1, help="number of replicas")
+    st.add_argument("--workers", type=positive, default=None,
+                    help="number of replicas (default 1; when given, a replicated stage checks "
+                         "it against the config's)")
     st.add_argument("--once", action="store_true",
                     help="do one synchronous round of work and exit (sync pipeline)")
     st.add_argument("--supervise", action="store_true",
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "stage":
+        args.workers_stated = args.workers is not None
+        args.workers = args.workers or 1
     if args.command == "stage" and args.worker >= args.workers:  # it would wait for ever
         parser.error(f"--worker {args.worker} is not below --workers {args.workers}")
     handler = _HANDLERS[args.command]

@@ -181,7 +181,7 @@ def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
     cmd = [*launcher, "stage", name, "--config", config, "--run-id", run_id]
     if store is not None:
         cmd += ["--store", store]
-    if workers > 1:
+    if workers > 1 or stage(name).replicas_from:  # stated: the stage checks it (`stages.run`)
         cmd += ["--worker", str(worker), "--workers", str(workers)]
     if supervise and ranks == 1:
         cmd.append("--supervise")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shardrl.cli import build_parser
 from shardrl.config import ConfigError, RunConfig, load_config, preset_names, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -310,6 +311,31 @@ def test_an_inline_config_is_read_as_a_config_file_is(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("shardrl stage learn: invalid config <inline config>")
     assert not (tmp_path / "store").exists()
+
+
+def test_a_replicated_stage_refuses_a_config_asking_for_other_replicas(tmp_path, capsys):
+    """A pipeline compiled for 2 rollout workers, run with a pasted config asking for 3: the
+    stages downstream would wait for a worker that never starts. The stage (and its
+    supervisor, before any restart) refuse it; a stage run by hand as one worker of several
+    (no --workers) is not checked."""
+    from shardrl.cli import main as cli_main
+    from shardrl.stages import replicas_refused
+
+    store = str(tmp_path / "store")
+    for supervise in ([], ["--supervise"]):
+        code = cli_main(["stage", "rollout", *supervise, "--config", "demo", "--set",
+                         "rollout.workers=3", "--run-id", "x", "--store", store,
+                         "--worker", "1", "--workers", "2"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.startswith("shardrl stage rollout: started as one of 2 replicas, but the "
+                              "run's config asks for 3 (rollout.workers)")
+    assert not (tmp_path / "store").exists()
+    args = build_parser().parse_args(["stage", "rollout", "--config", "demo", "--run-id", "x"])
+    args.workers_stated, args.workers = False, 1  # as `cli.main` sets them
+    assert replicas_refused(args, load_config("demo")) is None  # demo: 2 workers, not stated
+    args.workers_stated, args.workers = True, 2
+    assert replicas_refused(args, load_config("demo")) is None
 
 
 def test_compiling_with_a_bad_config_or_tag_is_one_message(tmp_path, capsys):

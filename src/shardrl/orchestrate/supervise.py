@@ -31,7 +31,7 @@ import time
 from ..config import ConfigError
 from ..graph import entrypoint
 from ..lifetime import die_with_parent
-from ..stages import EXIT_CONFIG, EXIT_RUN_ABORTED, EXIT_STORE_UNAVAILABLE
+from ..stages import EXIT_CONFIG, EXIT_RUN_ABORTED, EXIT_STORE_UNAVAILABLE, replicas_refused
 from ..stages.context import load_stage_config, release_cache, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
@@ -57,6 +57,9 @@ def run(args) -> int:
         cfg = load_stage_config(args.config, args.overrides)
     except ConfigError as exc:  # the child would fail alike, at every restart
         print(f"shardrl stage {args.name}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if (refused := replicas_refused(args, cfg)) is not None:  # the same
+        print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
         return EXIT_CONFIG
     log = setup_logging(f"{args.name}-supervisor", args.worker)
     store = open_store(args.store or cfg.store.uri, retry_policy(cfg))

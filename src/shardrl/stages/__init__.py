@@ -34,6 +34,26 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def replicas_refused(args, cfg) -> str | None:
+    """Why a replicated stage started as one of `--workers` replicas may not run with
+    `cfg`, or None. The stages downstream would wait for replicas that never start: a
+    Kubeflow pipeline fixes the replicas when it is compiled, and a config pasted into a run
+    may ask for another number. Only a stated `--workers` is checked (a stage run by hand as
+    one worker of several is a benchmark's)."""
+    from ..graph import stage
+
+    spec = stage(args.name)
+    if not (spec.replicas_from and getattr(args, "workers_stated", False)):
+        return None
+    wanted = spec.replicas(cfg)
+    if args.workers == wanted:
+        return None
+    return (f"started as one of {args.workers} replicas, but the run's config asks for "
+            f"{wanted} ({spec.replicas_from}); a pipeline's replicas are fixed when it is "
+            f"compiled: compile it from this config, or set {spec.replicas_from}: "
+            f"{args.workers}")
+
+
 def run(args) -> int:
     threads = os.environ.get("SHARDRL_THREADS")
     from ..config import ConfigError
@@ -47,6 +67,10 @@ def run(args) -> int:
     import torch
 
     from ..graph import stage
+
+    if (refused := replicas_refused(args, ctx.cfg)) is not None:
+        print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
+        return EXIT_CONFIG
 
     floor = int(threads) if threads else stage(args.name).threads(ctx.cfg)
     torch.set_num_threads(floor)
