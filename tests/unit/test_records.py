@@ -5,7 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from shardrl.store import LocalStore
+from shardrl.store import LocalStore, NotFound, StoreError
 from shardrl.store.keys import RunKeys, folder_number, parse_eval_summary_key
 from shardrl.store.records import (
     Buffered,
@@ -83,8 +83,20 @@ def test_misspelt_or_wrongly_typed_fields_fail_where_they_are_written_and_read(t
         LedgerEntry(key="k", outcome="eaten", rows=3)
     store = LocalStore(tmp_path)
     store.put_json(rk.cursor("learn"), {"low": "soon"})
-    with pytest.raises(ValidationError):
+    # read back: an error that names the record, its key and the store, not pydantic's alone
+    with pytest.raises(StoreError, match=r"'runs/r1/state/learn/cursor.json' in file://.* is "
+                                         r"not a valid Cursor record") as info:
         Cursor.read(store, rk.cursor("learn"))
+    assert isinstance(info.value.__cause__, ValidationError) and "low" in str(info.value)
+
+
+def test_a_missing_record_without_an_empty_form_is_not_found_naming_its_key(tmp_path):
+    from shardrl.store.records import PassRateSnapshot
+
+    store = LocalStore(tmp_path)
+    with pytest.raises(NotFound, match=r"no PassRateSnapshot record 'runs/r1/x.json' in file://"):
+        PassRateSnapshot.read(store, "runs/r1/x.json")
+    assert PassRateSnapshot.read(store, "runs/r1/x.json", optional=True) is None
 
 
 def test_ledger_delta_holds_its_entries(tmp_path):

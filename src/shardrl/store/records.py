@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .base import NotFound, Store, json_bytes
+from .base import NotFound, Store, StoreError, json_bytes
 
 
 class Record(BaseModel):
@@ -41,16 +41,26 @@ class Record(BaseModel):
 
     @classmethod
     def read(cls, store: Store, key: str, optional: bool = False) -> Self | None:
-        """The record at `key`; when there is none, the empty record (None if `optional`).
-        A key deleted between the check and the read (a record another stage replaces by a
-        later one) reads as none too."""
+        """The record at `key`; when there is none, the empty record (None if `optional`;
+        `NotFound` naming the key when the record has no empty form). A key deleted between
+        the check and the read (a record another stage replaces by a later one) reads as none
+        too. A record that does not validate is a `StoreError` naming its key and store."""
         try:
             data = store.get_json(key) if store.exists(key) else None
         except NotFound:
             data = None
         if data is None:
-            return None if optional else cls()
-        return cls.model_validate(data)
+            if optional:
+                return None
+            try:
+                return cls()
+            except ValidationError:
+                raise NotFound(f"no {cls.__name__} record {key!r} in {store.uri}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise StoreError(f"{key!r} in {store.uri} is not a valid {cls.__name__} record "
+                             f"(written by another version of ShardRL?): {e}") from e
 
     def write(self, store: Store, key: str) -> None:
         store.put_json(key, self.model_dump(mode="json"))
