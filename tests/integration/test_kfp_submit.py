@@ -321,6 +321,26 @@ def test_an_unreachable_api_or_refused_credentials_are_one_line(kfp_api, monkeyp
     assert ("POST", f"{API}/runs") not in state.paths()  # nothing was submitted
 
 
+def test_a_wait_that_times_out_says_the_run_goes_on(kfp_api, monkeypatch, capsys):
+    """A run still going when the wait gives up: one line and its own status, not a
+    traceback and exit 1, which a CI retry would answer with a second run."""
+    import pipelines.submit as submit_module
+    from shardrl.commands import pipeline_cmd
+
+    host, state = kfp_api
+    state.final_state = "RUNNING"
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    monkeypatch.setattr(submit_module, "POLL_S", 0.01)
+    monkeypatch.setattr(pipeline_cmd, "WAIT_TIMEOUT_S", 0.05)
+    assert cli_main(["pipeline", "run", "demo", "--wait"]) == 124
+    captured = capsys.readouterr()
+    assert "run run-1: " in captured.out  # its link, printed before the wait
+    assert captured.err.startswith("shardrl pipeline run: run run-1 still RUNNING after 0s: "
+                                   "stopped waiting; the run goes on")
+    assert len([r for r in state.requests if (r.method, r.path) == ("POST", f"{API}/runs")]) == 1
+
+
 def test_waiting_survives_failed_polls_and_a_rotated_token(kfp_api, tmp_path, monkeypatch,
                                                           capsys):
     """The API restarting (503s) and a service-account token rotated while the run goes on:

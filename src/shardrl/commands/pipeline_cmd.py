@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 DEFAULT_COMPILE_CONFIG = "demo"
 WAIT_TIMEOUT_S = 30 * 86400
+EXIT_WAIT_TIMED_OUT = 124
+"""`--wait` gave up on a run that was created and still runs (as `timeout` exits)."""
 """Longest `--wait` (the largest stage timeout a config allows); a CI job's limit comes first."""
 
 
@@ -110,6 +112,10 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         except SubmitError as exc:
             print(f"shardrl pipeline run: {redacted(str(exc))}", file=sys.stderr)
             return 1
+        except TimeoutError as exc:  # the run was created and goes on: a retry would start
+            print(f"shardrl pipeline run: {exc}: stopped waiting; the run goes on (its link "
+                  "is above), and submitting again would start a second one", file=sys.stderr)
+            return EXIT_WAIT_TIMED_OUT
     if result.state is None:  # (a run waited for was linked before the wait)
         print(f"run {result.run_id}: {result.url}")
         return 0
