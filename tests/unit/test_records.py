@@ -125,3 +125,31 @@ def test_quarantined_keys_name_their_stage_and_original():
     assert rk.unquarantined(rk.quarantine("prepare", original)) == ("prepare", original)
     with pytest.raises(ValueError):
         rk.unquarantined(original)
+
+
+def test_a_run_json_without_its_config_is_one_line_for_every_command(tmp_path, capsys):
+    """A hand-edited run.json (not JSON, or JSON without `config`): the commands that read a
+    run say so in one line naming the file, instead of a KeyError's traceback."""
+    from shardrl.cli import main as cli_main
+    from shardrl.store.records import recorded_config
+
+    store = LocalStore(tmp_path)
+    store.put_json(rk.run_json(), {"config": {"name": "x"}})
+    assert recorded_config(store, rk.run_json()) == {"name": "x"}
+    for broken in ({}, [1], {"config": "demo"}):
+        store.put_json(rk.run_json(), broken)
+        with pytest.raises(StoreError, match=r"'runs/r1/run.json' in file://.* holds no run "
+                                             r"config"):
+            recorded_config(store, rk.run_json())
+    store.put_bytes(rk.run_json(), b"{not json")
+    for command in (["replay", "r1"], ["doctor", "r1"], ["run", "--resume", "r1"]):
+        for content in (b"{not json", b"{}"):
+            store.put_bytes(rk.run_json(), content)
+            try:
+                code = cli_main([*command, "--store", str(tmp_path)])
+            except SystemExit as exc:  # doctor and run end with a message as the exit value
+                code, message = 1, str(exc.code)
+            else:
+                message = capsys.readouterr().err
+            assert code != 0, (command, content)
+            assert "runs/r1/run.json" in message and "Traceback" not in message, message

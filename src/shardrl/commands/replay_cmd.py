@@ -35,6 +35,7 @@ def run(args) -> int:
     from ..stages.context import setup_logging
     from ..stages.learn.replay import REPLAYABLE, Replay
     from ..store import RunKeys, StoreError, open_store
+    from ..store.records import recorded_config
 
     try:
         source = RunKeys(args.run)
@@ -60,8 +61,12 @@ def run(args) -> int:
               f"on the run's shards from its v0), not {', '.join(outside)}", file=sys.stderr)
         return 2
     setup_logging("replay", 0)  # once the run is found: the replay logs as a stage does
-    run_json = store.get_json(source.run_json())
-    data = as_recorded(run_json["config"])
+    try:
+        data = as_recorded(recorded_config(store, source.run_json()))
+        run_json = store.get_json(source.run_json())
+    except StoreError as exc:  # not JSON, or no config in it: one line
+        print(f"shardrl replay: {exc}", file=sys.stderr)
+        return 1
     try:
         for item in args.overrides:
             data = apply_override(data, item)

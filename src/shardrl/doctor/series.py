@@ -21,6 +21,7 @@ import yaml
 from ..config import RunConfig
 from ..store import NotFound, RunKeys, Store, StoreError, open_store, read_columns
 from ..store.keys import metrics_writer
+from ..store.records import recorded_config
 
 log = logging.getLogger("shardrl.doctor")
 
@@ -270,7 +271,7 @@ def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
         store = open_store(store_uri or RunConfig().store.uri)
         if not store.exists(keys.run_json()):
             return None
-        return RunHandle(store, keys, tolerant_config(store.get_json(keys.run_json())["config"]))
+        return RunHandle(store, keys, tolerant_config(recorded_config(store, keys.run_json())))
     except StoreError as exc:  # every command that reads a run: one line, not a trace (a bad
         # URI, missing credentials or bucket, a store down past the retry deadline)
         raise SystemExit(f"shardrl: {exc}") from None

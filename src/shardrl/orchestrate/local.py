@@ -37,7 +37,7 @@ from ..store import (
     open_store,
 )
 from ..store.base import json_bytes
-from ..store.records import Aborted
+from ..store.records import Aborted, recorded_config
 from ..tracking.mlflow_run import RunIdTaken, TrackingUnavailable
 from .fork import Forked, fork_stage
 from .rss import PeakRss, record
@@ -235,7 +235,7 @@ def prepare_run(args) -> LocalRun:
                     f"{saved if saved.exists() else 'CONFIG'} --run-id {run_id}"
                     + (f" --store {args.store}" if args.store else "") + "`")
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
-        cfg = RunConfig.model_validate(store.get_json(keys.run_json())["config"])
+        cfg = RunConfig.model_validate(recorded_config(store, keys.run_json()))
         store = open_store(store_uri, retry_policy(cfg))
         clear_abort(store, keys)
     else:

@@ -66,6 +66,17 @@ class Record(BaseModel):
         store.put_json(key, self.model_dump(mode="json"))
 
 
+def recorded_config(store: Store, key: str) -> dict:
+    """The config a run recorded in its run.json at `key` (as JSON); a `StoreError` naming the
+    key when the file holds none (edited by hand, or not a run's)."""
+    data = store.get_json(key)
+    config = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(config, dict):
+        raise StoreError(f"{key!r} in {store.uri} holds no run config (a `config` mapping): "
+                         "not a run's run.json, or edited by hand")
+    return config
+
+
 class PolicyPointer(Record):
     """The newest complete policy version (its weights and manifest are written first)."""
 
