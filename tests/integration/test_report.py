@@ -93,6 +93,15 @@ def test_report_fit_only_says_not_enough_data(tiny_run):
                                  "past the first 10% of compute, at least 6 needed")
 
 
+def test_a_report_folder_that_cannot_be_written_is_one_line(tiny_run):
+    tmp, store, _ = tiny_run
+    taken = tmp / "a-file"
+    taken.write_text("")
+    res = run_cli(["report", RUN, "--store", str(store), "--out", str(taken)], tmp)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"shardrl report: cannot write the report into {taken}: ")
+
+
 def test_samples_prints_the_requested_rows(tiny_run):
     tmp, store, _ = tiny_run
     res = run_cli(["samples", RUN, "--store", str(store), "--version", "0", "--worst", "-n", "3"],

@@ -141,7 +141,12 @@ def test_cli_errors_leave_nothing_behind(tiny_gguf, tmp_path, capsys):
     broken.write_bytes(path.read_bytes()[:-600])
     with pytest.raises(GGUFImportError):
         import_gguf(broken, out, log=lambda _: None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf", "notes.txt"]
+    # a header cut short: the reader's struct.error used to escape as a traceback
+    stub = tmp_path / "stub.gguf"
+    stub.write_bytes(path.read_bytes()[:16])
+    assert main(["model", "import-gguf", str(stub), "--out", str(out)]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf", "notes.txt", "stub.gguf"]
 
 
 def test_existing_output_needs_force(tiny_gguf, tmp_path):

@@ -152,7 +152,11 @@ def run(args) -> int:
         print(scaling_fit(handle, load_store_metrics(handle.store, handle.keys)).summary())
         return 0
     out = Path(args.out) if args.out else default_out(handle)
-    index, findings = build_report(handle, out)
+    try:
+        index, findings = build_report(handle, out)
+    except OSError as exc:  # --out names a file, or a folder that cannot be written
+        print(f"shardrl report: cannot write the report into {out}: {exc}", file=sys.stderr)
+        return 1
     print(f"report: {index}  ({len(findings)} doctor finding(s))")
     if handle.cfg.tracking.enabled:
         try:

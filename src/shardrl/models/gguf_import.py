@@ -15,6 +15,7 @@ been reloaded and checked, so a failure leaves nothing at `out`.
 from __future__ import annotations
 
 import shutil
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -111,7 +112,8 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32",
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(file.parent), gguf_file=file.name, dtype=getattr(torch, dtype))
-    except (ValueError, OSError, KeyError, RuntimeError, NotImplementedError) as exc:
+    except (ValueError, OSError, KeyError, RuntimeError, NotImplementedError,
+            struct.error, EOFError) as exc:  # struct.error, EOFError: a truncated file
         raise GGUFImportError(f"transformers cannot read {file}: {exc}") from exc
     model.eval()
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
