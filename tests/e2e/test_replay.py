@@ -188,6 +188,12 @@ def test_a_loss_change_is_a_new_run_on_the_same_shards(source, tmp_path, monkeyp
     root = copy_of(source, tmp_path)
     store = LocalStore(root)
     assert replay(root, "--verify", "--set", "algo.loss.kind=ppo") == 2  # verify needs no --set
+    last = max(published(store, RUN))
+    capsys.readouterr()
+    assert replay(root, "--to-version", str(last + 1)) == 2  # used to re-learn all, silently
+    assert capsys.readouterr().err.strip() == (
+        f"shardrl replay: --to-version {last + 1} is past the run's last committed version, "
+        f"{last}")
     assert replay(root, "--set", "rollout.temperature=0.5") == 2  # not a learner change
     assert replay(root, "--set", "algo.loss.kind=gspo", "--run-id", "gspo") == 0
     capsys.readouterr()

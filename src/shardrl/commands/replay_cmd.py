@@ -35,7 +35,7 @@ def run(args) -> int:
     from ..stages.context import setup_logging
     from ..stages.learn.replay import REPLAYABLE, Replay
     from ..store import RunKeys, StoreError, open_store
-    from ..store.records import recorded_config
+    from ..store.records import Progress, recorded_config
 
     try:
         source = RunKeys(args.run)
@@ -79,6 +79,11 @@ def run(args) -> int:
         print("shardrl replay: the run's learner had several DeepSpeed ranks; replay runs one "
               "process: add --set learner.backend.kind=torch (equal up to reduction order, "
               "not bit for bit)", file=sys.stderr)
+        return 2
+    last = Progress.read(store, source.progress()).version
+    if args.to_version is not None and args.to_version > last:
+        print(f"shardrl replay: --to-version {args.to_version} is past the run's last "
+              f"committed version, {last}", file=sys.stderr)
         return 2
     target = args.run_id or f"{args.run}-replay-{time.strftime('%Y%m%d-%H%M%S')}"
     replay = Replay(store, args.run, target, cfg, tuple(args.overrides), args.to_version,
