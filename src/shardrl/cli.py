@@ -22,6 +22,13 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set learner.lr=1e-4 (repeatable)")
 
 
+def store_uri(text: str) -> str:
+    """A store URI argument: not empty (an empty one would quietly mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a folder or s3://bucket/prefix")
+    return text
+
+
 def positive(text: str) -> int:
     """An argument that must be a whole number >= 1."""
     return _at_least(text, 1)
@@ -72,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the whole pipeline locally (stages as subprocesses)")
     run.add_argument("config", nargs="?", help="config file or preset name")
     run.add_argument("--run-id", help="run id (default: derived from the config name and time)")
-    run.add_argument("--store", help="store URI overriding store.uri (folder or s3://bucket/prefix)")
+    run.add_argument("--store", type=store_uri,
+                     help="store URI overriding store.uri (folder or s3://bucket/prefix)")
     run.add_argument("--create-bucket", action="store_true",
                      help="create the S3 bucket of --store when it does not exist")
     run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from the store")
@@ -85,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("name", choices=STAGE_NAMES)
     st.add_argument("--config", required=True, help="config file, preset name, or inline YAML")
     st.add_argument("--run-id", required=True)
-    st.add_argument("--store", help="store URI overriding store.uri")
+    st.add_argument("--store", type=store_uri, help="store URI overriding store.uri")
     st.add_argument("--worker", type=non_negative, default=0, help="replica index (0-based)")
     st.add_argument("--workers", type=positive, default=None,
                     help="number of replicas (default 1; when given, a replicated stage checks "
@@ -130,19 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("doctor", help="diagnose a run from its metrics")
     doc.add_argument("run", help="run id (in the store) or MLflow run id")
-    doc.add_argument("--store", help="store URI (default: store.uri of the run's config)")
+    doc.add_argument("--store", type=store_uri, help="store URI (default: store.uri of the run's config)")
     doc.add_argument("--json", action="store_true", help="machine-readable output")
 
     rep = sub.add_parser("report", help="plots, findings and the scaling-curve fit of a run")
     rep.add_argument("run", help="run id")
-    rep.add_argument("--store", help="store URI")
+    rep.add_argument("--store", type=store_uri, help="store URI")
     rep.add_argument("--out", help="output folder (default: the run's report/ folder)")
     rep.add_argument("--fit", action="store_true", help="print the compute->performance fit only")
 
     rp = sub.add_parser("replay", help="re-run a run's learner from its ledger: verify it "
                         "bit for bit, or try a config change on the same shards")
     rp.add_argument("run", help="run id of the run to replay")
-    rp.add_argument("--store", help="store URI (default: runs)")
+    rp.add_argument("--store", type=store_uri, help="store URI (default: runs)")
     rp.add_argument("--to-version", type=positive, metavar="N", help="stop after version N")
     rp.add_argument("--verify", action="store_true",
                     help="check that each version the run still holds is published bit for bit")
@@ -154,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     smp = sub.add_parser("samples", help="audit generated samples of a run")
     smp.add_argument("run", help="run id")
-    smp.add_argument("--store", help="store URI")
+    smp.add_argument("--store", type=store_uri, help="store URI")
     smp.add_argument("--version", type=non_negative,
                      help="policy version (default: latest with data)")
     order = smp.add_mutually_exclusive_group()

@@ -98,6 +98,9 @@ def test_kubeflow_tasks_end_through_leave_with_their_code():
     (["samples", "r1", "-n", "0"], "argument -n: expected a whole number >= 1, got 0"),
     (["replay", "r1", "--to-version", "-5"], "argument --to-version: expected a whole number"),
     (["replay", "r1", "--run-id", "a/b"], "argument --run-id: run_id must match"),
+    # an empty store used to mean the default store, silently
+    (["run", "demo", "--store", ""], "argument --store: is empty: give a folder or s3://"),
+    (["doctor", "r1", "--store", " "], "argument --store: is empty"),
 ])
 def test_bad_arguments_are_refused_by_the_parser(argv, message, capsys):
     from shardrl.cli import build_parser
