@@ -213,7 +213,7 @@ def test_an_outage_the_child_rides_out_is_logged_by_the_learner(tmp_path, caplog
     messages = [r.getMessage() for r in caplog.records if r.name == "shardrl.store"]
     assert len(messages) == 2, messages
     assert messages[0] == ("object store flaky unavailable (ConnectionError: refused); "
-                           "retrying for up to 60 s")
+                           "retrying for up to 60 s or 10 attempts per operation")
     assert re.fullmatch(r"object store flaky available again after [0-9.]+ s", messages[1])
     assert "unavailable" not in capfd.readouterr().err  # the child itself logged nothing
     assert Progress.read(LocalStore(tmp_path), KEYS.progress()).version == 1

@@ -97,9 +97,9 @@ def test_a_reported_outage_is_told_once_by_the_process_that_logs(caplog):
         parent.relay("end", None)  # the child's end comes after the parent's: no line
     assert sent == [("start", "ConnectionError: refused"), ("end", None)]
     assert [r.getMessage() for r in caplog.records] == [
-        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s",
+        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s or 10 attempts per operation",
         "object store test-store available again after 1.5 s",
-        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s",
+        "object store test-store unavailable (ConnectionError: refused); retrying for up to 60 s or 10 attempts per operation",
         "object store test-store available again after 0.5 s"]
     with pytest.raises(ValueError, match="unknown outage event"):
         parent.relay("middle", None)

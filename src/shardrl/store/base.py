@@ -315,8 +315,9 @@ class Retrier:
         if self.report is not None:
             self.report("start", cause)
             return
-        log.warning("object store %s unavailable (%s); retrying for up to %.0f s",
-                    self.target, cause, self.policy.deadline_s)
+        log.warning("object store %s unavailable (%s); retrying for up to %.0f s or %d "
+                    "attempts per operation", self.target, cause, self.policy.deadline_s,
+                    self.policy.max_attempts)
 
     def outage_over(self) -> None:
         """The outage under way (if any) is over: a call succeeded, here or in the process
