@@ -286,3 +286,21 @@ def test_ctrl_c_during_the_snapshot_says_how_to_start_the_same_run_again(tmp_pat
                    "--set", "model.sft.patience=1"], tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     check_completed(LocalStore(tmp_path / "store"), "early", 12)
+
+
+def test_ctrl_c_while_the_runner_starts_up_stops_it(tmp_path):
+    """A Ctrl-C in the runner's first seconds (the libraries loading and warming up, before
+    any stage) used to raise a KeyboardInterrupt that library code could swallow: the run
+    then went on to its end and exited 0. Now it is noted and answered once the runner can
+    stop cleanly, with the command that starts the run again."""
+    store_path = str(tmp_path / "store")
+    proc, out = start_runner(tmp_path, run_args(write_config(tmp_path), store_path, "early"),
+                             "early")
+    wait_for(lambda: "run early: store" in out.read_text(), 120, "the runner's first line")
+    os.kill(proc.pid, signal.SIGINT)  # during the warm-up: no stage has started
+    text = finish(proc, out, timeout=300)
+    assert proc.returncode == 130, text[-3000:]
+    assert "interrupted before the run started; start it again with `shardrl run" in text
+    assert "--run-id early" in text and "Traceback" not in text
+    store = open_store(store_path)
+    assert not store.exists(RunKeys("early").run_json())  # nothing of the run but its mark

@@ -449,6 +449,25 @@ def _missing_module(module: str) -> str | None:
 
 
 def run(args) -> int:
+    """`shardrl run`. Ctrl-C and SIGTERM are noted from the first moment: one during the
+    start-up (the libraries' loading and warm-up take seconds) ends the runner once it can
+    stop cleanly, instead of a KeyboardInterrupt that a library's code may swallow (the run
+    then went on to its end)."""
+    interrupted = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        nonlocal interrupted
+        interrupted = True
+
+    old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _run(args, lambda: interrupted)
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+
+
+def _run(args, interrupted: Callable[[], bool]) -> int:
     from .monitor import Monitor
 
     try:
@@ -475,6 +494,8 @@ def run(args) -> int:
         print(f"shardrl run: {exc}", file=sys.stderr)
         return 1
     print(f"run {lr.run_id}: store {lr.store_uri}, logs {lr.log_dir}", flush=True)
+    if interrupted():
+        return interrupted_at_start(lr)
     if lr.cfg.pipeline.local.fork:
         from ..tasks.datasets import DatasetError
         from .fork import warm
@@ -484,14 +505,9 @@ def run(args) -> int:
         except DatasetError as exc:  # a missing or malformed task file: one line, not a trace
             print(f"shardrl run: {exc}", file=sys.stderr)
             return 1
-    interrupted = False
-
-    def on_signal(signum, frame):  # noqa: ARG001
-        nonlocal interrupted
-        interrupted = True
-
-    lr.interrupted = lambda: interrupted
-    old = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
+    if interrupted():
+        return interrupted_at_start(lr)
+    lr.interrupted = interrupted
     if lr.cfg.pipeline.local.weights_channel:
         lr.channel, channel_lock = open_channel()
     try:
@@ -513,7 +529,7 @@ def run(args) -> int:
                 if (code := one_shot(lr, spec.name)) != 0:
                     return code
         cpu_started = time.process_time()
-        code = supervise(lr, monitor, lambda: interrupted)
+        code = supervise(lr, monitor, interrupted)
         lr.rss.runner_cpu_s = time.process_time() - cpu_started
         if code != 0:
             return code
@@ -545,8 +561,6 @@ def run(args) -> int:
         if lr.channel is not None:
             shutil.rmtree(lr.channel, ignore_errors=True)
             os.close(channel_lock)
-        signal.signal(signal.SIGINT, old[0])
-        signal.signal(signal.SIGTERM, old[1])
 
 
 def open_channel() -> tuple[Path | None, int | None]:
@@ -627,6 +641,17 @@ def last_error(log: Path, tail_bytes: int = 16384) -> str:
 
 def resume_hint(lr: LocalRun) -> str:
     return f"`shardrl run --resume {lr.run_id} --store {lr.store_uri}`"
+
+
+def interrupted_at_start(lr: LocalRun) -> int:
+    """Ctrl-C or SIGTERM while the runner started up, before any stage: say how to go on."""
+    if lr.store.exists(lr.keys.run_json()):
+        print(f"interrupted before any stage started (state is kept; resume with "
+              f"{resume_hint(lr)})", file=sys.stderr)
+    else:
+        print(f"interrupted before the run started; start it again with {restart_hint(lr)}",
+              file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def restart_hint(lr: LocalRun) -> str:
