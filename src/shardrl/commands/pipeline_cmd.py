@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 DEFAULT_COMPILE_CONFIG = "demo"
 WAIT_TIMEOUT_S = 30 * 86400
+"""Longest `--wait` (the largest stage timeout a config allows); a CI job's limit comes first."""
 EXIT_WAIT_TIMED_OUT = 124
 """`--wait` gave up on a run that was created and still runs (as `timeout` exits)."""
-"""Longest `--wait` (the largest stage timeout a config allows); a CI job's limit comes first."""
 
 
 def run(args: argparse.Namespace) -> int:

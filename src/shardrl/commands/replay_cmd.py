@@ -35,7 +35,7 @@ def run(args) -> int:
     from ..stages.context import setup_logging
     from ..stages.learn.replay import REPLAYABLE, Replay
     from ..store import RunKeys, StoreError, open_store
-    from ..store.records import Progress, recorded_config
+    from ..store.records import Progress, read_run_json
 
     try:
         source = RunKeys(args.run)
@@ -62,11 +62,11 @@ def run(args) -> int:
         return 2
     setup_logging("replay", 0)  # once the run is found: the replay logs as a stage does
     try:
-        data = as_recorded(recorded_config(store, source.run_json()))
-        run_json = store.get_json(source.run_json())
+        run_json = read_run_json(store, source.run_json())
     except StoreError as exc:  # not JSON, or no config in it: one line
         print(f"shardrl replay: {exc}", file=sys.stderr)
         return 1
+    data = as_recorded(run_json["config"])
     try:
         for item in args.overrides:
             data = apply_override(data, item)

@@ -66,15 +66,19 @@ class Record(BaseModel):
         store.put_json(key, self.model_dump(mode="json"))
 
 
-def recorded_config(store: Store, key: str) -> dict:
-    """The config a run recorded in its run.json at `key` (as JSON); a `StoreError` naming the
-    key when the file holds none (edited by hand, or not a run's)."""
+def read_run_json(store: Store, key: str) -> dict:
+    """A run's run.json at `key`; a `StoreError` naming the key when it holds no config (a
+    `config` mapping: edited by hand, or not a run's)."""
     data = store.get_json(key)
-    config = data.get("config") if isinstance(data, dict) else None
-    if not isinstance(config, dict):
+    if not (isinstance(data, dict) and isinstance(data.get("config"), dict)):
         raise StoreError(f"{key!r} in {store.uri} holds no run config (a `config` mapping): "
                          "not a run's run.json, or edited by hand")
-    return config
+    return data
+
+
+def recorded_config(store: Store, key: str) -> dict:
+    """The config a run recorded in its run.json at `key` (`read_run_json`), as JSON."""
+    return read_run_json(store, key)["config"]
 
 
 class PolicyPointer(Record):
