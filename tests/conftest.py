@@ -28,3 +28,18 @@ def mlflow_uri_kept() -> Iterator[None]:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+@pytest.fixture(autouse=True)
+def root_logging_kept() -> Iterator[None]:
+    """A test that runs a stage's `setup_logging` in process replaces the root logger's
+    handlers with one on that test's captured stderr, closed once it ends; left in place, a
+    later test's log line fails on it and prints "--- Logging error ---" with the message
+    into that test's stderr, where an assertion may read it."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
