@@ -94,7 +94,7 @@ clean:
 # ---- Kubeflow ----------------------------------------------------------------------------
 # make pipeline-compile [CONFIG=...] [K8S_MANIFEST=1] [IMAGE_REGISTRY=...] [IMAGE_TAG=...]
 # [KFP_HOST=...] make pipeline-run [CONFIG=...] [WAIT=1] [PIPELINE=shardrl-sync] [EXPERIMENT=...]
-#   [IMAGE_REGISTRY=...] [IMAGE_TAG=...] [REQUIRE_CLUSTER=1]
+#   [RUN_NAME=...] [IMAGE_REGISTRY=...] [IMAGE_TAG=...] [REQUIRE_CLUSTER=1]
 # make images [IMAGE_REGISTRY=...] [IMAGE_TAG=...]   (tags default to VERSION-gREV)
 PIPELINE_DIR   ?= build/pipelines
 PIPELINE       ?= shardrl
@@ -109,7 +109,7 @@ pipeline-compile: $(STAMP)
 
 pipeline-run: $(STAMP)
 	$(VENV)/bin/shardrl pipeline run $(CONFIG) --pipeline $(PIPELINE) --experiment $(EXPERIMENT) \
-		$(IMAGE_FLAGS) $(if $(filter 1,$(WAIT)),--wait) \
+		$(IMAGE_FLAGS) $(if $(filter 1,$(WAIT)),--wait) $(if $(RUN_NAME),--run-name '$(RUN_NAME)') \
 		$(if $(filter 1,$(REQUIRE_CLUSTER)),--require-cluster)
 
 # Each image is pushed as VERSION-gREV (a rebuild of another revision never replaces it); from

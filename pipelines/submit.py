@@ -6,6 +6,11 @@ name; each distinct compiled package becomes a version named `<package version>-
 submitting the same package twice reuses its version. An unreachable API, rejected
 credentials or an SDK error end in a `SubmitError` whose message is one line; a wait survives
 failed polls on a new client that reads the token again (a pod's token is rotated).
+
+A run is found again by its name in its experiment: when the answer to creating it was lost
+(the connection cut, a 5xx from a proxy) before a second request could create another, and,
+with `reuse_named`, before creating one at all, so that a CI job retried with the same run name
+follows the run its first try started instead of starting a second.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class SubmitResult:
     url: str
     state: str | None = None
     """Final state when waited for, else None."""
+    found: str | None = None
+    """Why an existing run was taken instead of a new one (None: this call created it)."""
 
 
 def kfp_token(env: Mapping[str, str]) -> str | None:
@@ -55,6 +62,22 @@ def version_name(package: Path) -> str:
     """Version name of a compiled package: package version plus a content hash."""
     digest = hashlib.sha256(package.read_bytes()).hexdigest()[:12]
     return f"{__version__}-{digest}"
+
+
+def find_run(client: Any, experiment_id: str, name: str) -> Any | None:
+    """The newest run named `name` in the experiment, or None."""
+    found = client.list_runs(experiment_id=experiment_id, page_size=1, filter=_name_filter(name),
+                             sort_by="created_at desc")
+    return found.runs[0] if found.runs else None
+
+
+def _answer_lost(exc: BaseException) -> bool:
+    """Whether a failed request may still have been carried out: no answer came (a connection
+    error), or a gateway's 5xx stands where the API's answer should be."""
+    status = getattr(exc, "status", None)
+    if type(exc).__name__ == "ApiException":
+        return not status or status >= 500
+    return isinstance(exc, OSError) or type(exc).__module__.startswith("urllib3")
 
 
 def _name_filter(name: str) -> str:
@@ -182,8 +205,12 @@ def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 
 def submit(package: Path, *, host: str, pipeline: str, description: str, experiment: str,
            run_name: str, params: dict[str, Any], env: Mapping[str, str],
            service_account: str | None = None, wait_timeout_s: float | None = None,
-           ) -> SubmitResult:
+           reuse_named: bool = False) -> SubmitResult:
     """Upload `package` (or reuse it), create a run in `experiment`, and wait if asked.
+
+    With `reuse_named`, a run named `run_name` in `experiment` is taken as this submission's
+    (whatever its state) and nothing is created. A creation whose answer was lost is looked up
+    by `run_name` before it counts as failed.
 
     `env` supplies KFP_TOKEN / KF_PIPELINES_SA_TOKEN_PATH, KFP_NAMESPACE (multi-user) and
     KF_PIPELINES_UI_ENDPOINT (base URL of run links, default `host`).
@@ -205,9 +232,22 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
         pipeline_id, version_id = ensure_version(client, package, pipeline, description)
         doing = "creating the run"
         exp = client.create_experiment(name=experiment, namespace=namespace)
-        run = client.run_pipeline(experiment_id=exp.experiment_id, job_name=run_name,
-                                  params=params, pipeline_id=pipeline_id, version_id=version_id,
-                                  service_account=service_account or None)
+        run, found = None, None
+        if reuse_named and (run := find_run(client, exp.experiment_id, run_name)) is not None:
+            found = f"a run named {run_name} exists in experiment {experiment}"
+        if run is None:
+            try:
+                run = client.run_pipeline(
+                    experiment_id=exp.experiment_id, job_name=run_name, params=params,
+                    pipeline_id=pipeline_id, version_id=version_id,
+                    service_account=service_account or None)
+            except Exception as exc:  # noqa: BLE001 - maybe created: looked up, else raised
+                if not _answer_lost(exc):
+                    raise
+                doing = "looking for the run whose creation got no answer"
+                if (run := find_run(connect(), exp.experiment_id, run_name)) is None:
+                    raise exc from None
+                found = f"the answer to creating it was lost ({type(exc).__name__}); found by name"
     except Exception as exc:  # noqa: BLE001 - the SDK's errors as one line; the rest raise
         if (error := api_error(exc, host, doing)) is None:
             raise
@@ -219,4 +259,5 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
         print(f"run {run.run_id}: {url} (waiting for it to finish)", flush=True)
         state = wait_for_run(client, run.run_id, timeout_s=wait_timeout_s, poll_s=POLL_S,
                              reconnect=connect, host=host)
-    return SubmitResult(pipeline_id, version_id, exp.experiment_id, run.run_id, url, state)
+    return SubmitResult(pipeline_id, version_id, exp.experiment_id, run.run_id, url, state,
+                        found)

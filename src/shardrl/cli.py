@@ -29,6 +29,13 @@ def store_uri(text: str) -> str:
     return text
 
 
+def kfp_run_name(text: str) -> str:
+    """`pipeline run --run-name`: not empty (Makefile's empty `RUN_NAME` passes no flag)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the run's name, or leave the flag out")
+    return text
+
+
 def positive(text: str) -> int:
     """An argument that must be a whole number >= 1."""
     return _at_least(text, 1)
@@ -120,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub_run.add_argument("--experiment", default="shardrl")
     sub_run.add_argument("--pipeline", default="shardrl", choices=("shardrl", "shardrl-sync"))
     sub_run.add_argument("--wait", action="store_true", help="wait and fail if the run fails")
+    sub_run.add_argument("--run-name", type=kfp_run_name, metavar="NAME",
+                         help="the run's name in its experiment; a run of that name there is "
+                              "taken as this submission and none is started (a retried CI job "
+                              "follows its first try's run); default: the config's name, the "
+                              "time and a random suffix")
     sub_run.add_argument("--image-registry", help="override the image registry")
     sub_run.add_argument("--image-tag", help="override the image tag (default: VERSION-gREV)")
     sub_run.add_argument("--require-cluster", action="store_true",

@@ -62,15 +62,20 @@ class FakeKfp:
     """Polls of the run that fail with 503 before they answer."""
     login_page: bool = False
     """Every request gets an HTML page, as behind a login proxy."""
+    lost_run_answers: int = 0
+    """Runs created whose answer is lost: the connection closes without one."""
+    runs: list[dict] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
 
-    def answer(self, req: Request) -> tuple[int, dict | str]:
+    def answer(self, req: Request) -> tuple[int, dict | str] | None:
+        """(status, JSON or HTML), or None: no answer, the connection closes."""
         route = (req.method, req.path)
+        run = next((r for r in self.runs if req.path == f"{API}/runs/{r['run_id']}"), None)
         if self.login_page:
             return 200, "<html><body>Log in</body></html>"
         if self.token is not None and req.headers.get("authorization") != f"Bearer {self.token}":
             return 401, {"error": "Unauthenticated"}
-        if route == ("GET", f"{API}/runs/run-1") and self.failing_polls:
+        if req.method == "GET" and run is not None and self.failing_polls:
             self.failing_polls -= 1
             return 503, {"error": "unavailable"}
         if route == ("GET", f"{API}/healthz"):
@@ -94,9 +99,22 @@ class FakeKfp:
         if route == ("POST", f"{API}/experiments"):
             return 200, {"experiment_id": "exp-1", "display_name": req.json()["display_name"]}
         if route == ("POST", f"{API}/runs"):
-            return 200, {"run_id": "run-1", "state": "PENDING"}
-        if route == ("GET", f"{API}/runs/run-1"):
-            return 200, {"run_id": "run-1", "state": self.final_state}
+            body = req.json()
+            self.runs.append({"run_id": f"run-{len(self.runs) + 1}", "state": "PENDING",
+                              "display_name": body["display_name"],
+                              "experiment_id": body["experiment_id"]})
+            if self.lost_run_answers:
+                self.lost_run_answers -= 1
+                return None
+            return 200, self.runs[-1]
+        if route == ("GET", f"{API}/runs"):  # filtered by experiment and display name only
+            (predicate,) = json.loads(req.query["filter"][0])["predicates"]
+            assert predicate["key"] == "display_name" and predicate["operation"] == "EQUALS"
+            found = [r for r in self.runs if r["experiment_id"] == req.query["experiment_id"][0]
+                     and r["display_name"] == predicate["stringValue"]]
+            return 200, {"runs": found[::-1][:1], "total_size": len(found)} if found else {}
+        if req.method == "GET" and run is not None:
+            return 200, {**run, "state": self.final_state}
         return 404, {"error": f"no route {req.method} {req.path}"}
 
     def paths(self) -> list[tuple[str, str]]:
@@ -117,7 +135,11 @@ def _handler(state: FakeKfp) -> type[BaseHTTPRequestHandler]:
                           {k.lower(): v for k, v in self.headers.items()},
                           self.rfile.read(length))
             state.requests.append(req)
-            status, payload = state.answer(req)
+            answer = state.answer(req)
+            if answer is None:  # the request was carried out and its answer lost
+                self.close_connection = True
+                return
+            status, payload = answer
             html = isinstance(payload, str)
             body = payload.encode() if html else json.dumps(payload).encode()
             self.send_response(status)
@@ -166,17 +188,19 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     # -o: treat the venv stamp as up to date, so make does not reinstall the package
     proc = subprocess.run(
         ["make", "-s", "-o", ".venv/.installed", "pipeline-run", "CONFIG=configs/demo.yaml",
-         "WAIT=1", "IMAGE_REGISTRY=reg.test/team", "IMAGE_TAG=0.9.0-gfeed"], cwd=ROOT, env=env,
+         "WAIT=1", "IMAGE_REGISTRY=reg.test/team", "IMAGE_TAG=0.9.0-gfeed",
+         "RUN_NAME=nightly 42"], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    # Health check, pipeline lookup, upload, its named version, experiment, run, polling.
+    # Health check, pipeline lookup, upload, its named version, experiment, a run of that
+    # name (none), the run, polling.
     assert state.paths() == [
         ("GET", f"{API}/healthz"), ("GET", f"{API}/healthz"),
         ("GET", f"{API}/pipelines"), ("POST", f"{API}/pipelines/upload"),
         ("POST", f"{API}/pipelines/upload_version"),
         ("GET", f"{API}/experiments"), ("POST", f"{API}/experiments"),
-        ("POST", f"{API}/runs"), ("GET", f"{API}/runs/run-1"),
+        ("GET", f"{API}/runs"), ("POST", f"{API}/runs"), ("GET", f"{API}/runs/run-1"),
     ]
     assert all(r.headers.get("authorization") == "Bearer t0ken" for r in state.requests)
 
@@ -203,7 +227,7 @@ def test_make_pipeline_run_uploads_and_starts_a_run(kfp_api, tmp_path):
     assert run["runtime_config"]["parameters"] == {"config": expected_config,
                                                    "store": DEFAULT_STORE}
     assert run["service_account"] == SERVICE_ACCOUNT
-    assert run["display_name"].startswith("demo-")
+    assert run["display_name"] == "nightly 42"  # RUN_NAME, looked up first
     assert f"{host}/#/runs/details/run-1" in proc.stdout
     assert "finished: SUCCEEDED" in proc.stdout
 
@@ -376,3 +400,53 @@ def test_waiting_survives_failed_polls_and_a_rotated_token(kfp_api, tmp_path, mo
     assert "finished: SUCCEEDED" in out and out.count("polling run run-1 failed") >= 2, out
     last = [r for r in state.requests if r.path == f"{API}/runs/run-1"][-1]
     assert last.headers["authorization"] == "Bearer second"
+
+
+def test_a_run_whose_creation_got_no_answer_is_found_by_name(kfp_api, monkeypatch, capsys):
+    """The API created the run and the connection closed before its answer: the submission
+    finds that run by its name instead of failing (which a CI retry would answer with a
+    second run)."""
+    host, state = kfp_api
+    state.lost_run_answers = 1
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    assert cli_main(["pipeline", "run", "demo", "--wait"]) == 0
+    captured = capsys.readouterr()
+    assert "finished: SUCCEEDED" in captured.out
+    assert "run run-1: the answer to creating it was lost" in captured.err, captured.err
+    assert [r["run_id"] for r in state.runs] == ["run-1"]
+    lookup = state.one("GET", f"{API}/runs")
+    assert lookup.query["experiment_id"] == ["exp-1"]
+    assert (json.loads(lookup.query["filter"][0])["predicates"][0]["stringValue"]
+            == state.runs[0]["display_name"])
+
+    # unnamed submissions are never looked up otherwise, and never collide with each other
+    state.requests.clear()
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    assert ("GET", f"{API}/runs") not in state.paths()
+    assert len({r["display_name"] for r in state.runs}) == 3
+
+
+def test_a_named_run_that_exists_is_followed_not_started_again(kfp_api, monkeypatch, capsys):
+    """`--run-name` (make's RUN_NAME): a retried CI job follows the run its first try started."""
+    host, state = kfp_api
+    state.final_state = "FAILED"
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    assert cli_main(["pipeline", "run", "demo", "--run-name", "ci-1234"]) == 0
+    assert [(r["run_id"], r["display_name"]) for r in state.runs] == [("run-1", "ci-1234")]
+    capsys.readouterr()
+
+    state.requests.clear()
+    assert cli_main(["pipeline", "run", "demo", "--run-name", "ci-1234", "--wait"]) == 1
+    captured = capsys.readouterr()
+    assert ("POST", f"{API}/runs") not in state.paths()
+    assert "run run-1: a run named ci-1234 exists in experiment shardrl: taken as this " \
+           "submission, not started again" in captured.err, captured.err
+    assert "run run-1 finished: FAILED" in captured.out
+    # another name starts its own run
+    assert cli_main(["pipeline", "run", "demo", "--run-name", "ci-1235"]) == 0
+    assert [r["display_name"] for r in state.runs] == ["ci-1234", "ci-1235"]
+    with pytest.raises(SystemExit):
+        cli_main(["pipeline", "run", "demo", "--run-name", " "])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,8 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         ui = without_userinfo((env.get("KF_PIPELINES_UI_ENDPOINT") or host).rstrip("/"))
         cfg = load_config(args.config, [f"pipeline.ui_endpoint={ui}"])
     text = config_text(cfg)
+    # unique unless named: a lost answer is looked up by name, which must be this run's alone
+    run_name = args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     store = cfg.store.uri if cfg.store.uri.startswith("s3://") else DEFAULT_STORE
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipelines(cfg, tmp, config_default=text, names=(args.pipeline,),
@@ -105,17 +108,21 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             result = submit(
                 package[args.pipeline], host=host, pipeline=args.pipeline,
                 description=f"ShardRL pipeline '{args.pipeline}'", experiment=args.experiment,
-                run_name=f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                params={"config": text, "store": store}, env=env,
+                run_name=run_name, params={"config": text, "store": store}, env=env,
                 service_account=env.get("KFP_SERVICE_ACCOUNT", SERVICE_ACCOUNT),
-                wait_timeout_s=WAIT_TIMEOUT_S if args.wait else None)
+                wait_timeout_s=WAIT_TIMEOUT_S if args.wait else None,
+                reuse_named=bool(args.run_name))
         except SubmitError as exc:
             print(f"shardrl pipeline run: {redacted(str(exc))}", file=sys.stderr)
             return 1
         except TimeoutError as exc:  # the run was created and goes on: a retry would start
-            print(f"shardrl pipeline run: {exc}: stopped waiting; the run goes on (its link "
-                  "is above), and submitting again would start a second one", file=sys.stderr)
+            print(f"shardrl pipeline run: {exc}: stopped waiting; the run goes on (its link is "
+                  f"above); `--run-name {run_name}` follows it again, where submitting without "
+                  "it would start a second one", file=sys.stderr)
             return EXIT_WAIT_TIMED_OUT
+    if result.found:
+        print(f"run {result.run_id}: {result.found}: taken as this submission, not started "
+              "again", file=sys.stderr)
     if result.state is None:  # (a run waited for was linked before the wait)
         print(f"run {result.run_id}: {result.url}")
         return 0
