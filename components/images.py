@@ -1,7 +1,7 @@
 """Image names, defined once; tags carry the package version and the source revision.
 
-A build is tagged `VERSION-gREV` (REV: the git commit, `-dirty` with uncommitted changes), so a
-rebuild never replaces another revision's image; the plain `VERSION` tag is the release, pushed
+A build is tagged `VERSION-gREV` (REV: the git commit, and `-dirty.HASH` with changes not
+committed, HASH of those changes), so a rebuild never replaces another revision's image; the plain `VERSION` tag is the release, pushed
 once from a clean tree and never overwritten. Pipelines compiled from a checkout refer to the
 `VERSION-gREV` images of that checkout; inside an image the revision comes from
 `SHARDRL_GIT_REVISION`, set at build time. Never `:latest`.
@@ -12,6 +12,7 @@ once from a clean tree and never overwritten. Pipelines compiled from a checkout
 """
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -51,21 +52,42 @@ REVISION_ENV = "SHARDRL_GIT_REVISION"
 """The source revision baked into the images (`--build-arg SHARDRL_GIT_REVISION=...`)."""
 
 
+BUILD_CONTEXT = ("pyproject.toml", "README.md", "src", "components", "pipelines",
+                 "images/requirements.py")
+"""What the images copy from the checkout (`.dockerignore` admits these alone)."""
+
+
 def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str | None:
-    """The source revision: `SHARDRL_GIT_REVISION`, else the checkout's short commit id with
-    `-dirty` when tracked files differ from it; None outside a checkout."""
+    """The source revision: `SHARDRL_GIT_REVISION`, else the checkout's short commit id, with
+    `-dirty.HASH` when a tracked file differs from it or an untracked one (not ignored) lies in
+    `BUILD_CONTEXT`; HASH is of those differences, so two dirty builds share a tag only when
+    they hold the same files. None outside a checkout."""
     env = os.environ if env is None else env
     if env.get(REVISION_ENV):
         return env[REVISION_ENV]
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=cwd or ROOT, capture_output=True,
+                              check=True).stdout
+
     try:
-        cwd = cwd or ROOT
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=cwd, capture_output=True, text=True, check=True).stdout
+        head = git("rev-parse", "--short=12", "HEAD").decode().strip()
+        changed = git("diff", "HEAD", "--binary")
+        untracked = sorted(git("ls-files", "--others", "--exclude-standard", "-z", "--",
+                               *BUILD_CONTEXT).split(b"\0")[:-1])
+        digest = hashlib.sha256(changed)
+        for name in untracked:
+            digest.update(b"\0" + name + b"\0" + ((cwd or ROOT) / name.decode()).read_bytes())
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head + ("-dirty" if dirty.strip() else "") if head else None
+    if not head:
+        return None
+    return f"{head}-dirty.{digest.hexdigest()[:8]}" if changed or untracked else head
+
+
+def is_dirty(rev: str) -> bool:
+    """Whether a revision from `revision` is of a tree that differs from its commit."""
+    return "-dirty" in rev
 
 
 def build_tag(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str:
@@ -106,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     tag = args.tag or build_tag()
-    clean = args.tag is None and not rev.endswith("-dirty")
+    clean = args.tag is None and not is_dirty(rev)
     for spec in (*STAGE_IMAGES.values(), *SERVICE_IMAGES.values()):
         release = image_ref(spec, args.registry) if clean else "-"
         print(image_ref(spec, args.registry, tag), spec.dockerfile, release)

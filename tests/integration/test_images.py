@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from components import SERVICE_IMAGES, STAGE_IMAGES, build_tag, revision
+from components.images import BUILD_CONTEXT, is_dirty
 from components.images import main as images_main
 from shardrl import __version__
 
@@ -77,6 +78,11 @@ def test_copied_files_exist_and_reach_the_context(name):
         for source in sources:
             assert (ROOT / source).exists(), f"{name}: COPY {source} does not exist"
             assert not dockerignored(source, patterns), f"{name}: {source} is dockerignored"
+
+
+def test_the_build_context_that_makes_a_tree_dirty_is_what_docker_admits():
+    admitted = {ln[1:].rstrip("/") for ln in dockerignore() if ln.startswith("!")}
+    assert set(BUILD_CONTEXT) == admitted
 
 
 @pytest.mark.parametrize("name", sorted(EXTRAS))
@@ -167,10 +173,26 @@ def test_tags_carry_the_version_and_the_revision(tmp_path):
     _git(repo, "commit", "-q", "-m", "one")
     head = _git(repo, "rev-parse", "--short=12", "HEAD")
     assert build_tag({}, repo) == f"{__version__}-g{head}"
-    (repo / "b.txt").write_text("untracked files do not count")
+    (repo / "b.txt").write_text("untracked files outside what the images copy do not count")
+    (repo / ".gitignore").write_text("src/*.pyc\n")
+    (repo / "src").mkdir()
+    (repo / "src" / "x.pyc").write_text("nor ignored ones")
     assert revision({}, repo) == head
+    # a changed file: dirty, tagged after the change, so two different changes never share a tag
     (repo / "a.txt").write_text("2")
-    assert build_tag({}, repo) == f"{__version__}-g{head}-dirty"
+    tag = build_tag({}, repo)
+    assert re.fullmatch(rf"{re.escape(__version__)}-g{head}-dirty\.[0-9a-f]{{8}}", tag), tag
+    assert build_tag({}, repo) == tag  # the same changes: the same tag
+    (repo / "a.txt").write_text("3")
+    assert build_tag({}, repo) != tag
+    (repo / "a.txt").write_text("1")
+    assert revision({}, repo) == head
+    # an untracked file that the images copy makes the tree dirty: it would be inside them
+    (repo / "src" / "new.py").write_text("x = 1\n")
+    untracked = revision({}, repo)
+    assert untracked.startswith(f"{head}-dirty.") and is_dirty(untracked)
+    (repo / "src" / "new.py").write_text("x = 2\n")
+    assert revision({}, repo) not in (untracked, head)
     # inside an image: the revision baked in at build time
     assert build_tag({"SHARDRL_GIT_REVISION": "abc"}, repo) == f"{__version__}-gabc"
 
