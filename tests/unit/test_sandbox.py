@@ -312,3 +312,89 @@ def test_a_kill_under_the_cpu_limit_is_not_called_a_timeout():
                                                                       memory_mb=256,
                                                                       wall_seconds=6))
     assert spin.error == "timeout"  # killed at the hard limit, a second past the soft one
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie that nobody reaps does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_what_the_child_puts_in_its_folder_does_not_stall_the_parent():
+    """The child's folder is its own: a FIFO or a link to an endless device where its
+    output files were must not block the parent, nor feed it without end."""
+    import threading
+
+    code = ("import os\n"
+            "for name in ('.stdout', '.stderr'):\n"
+            "    try:\n        os.remove(name)\n    except FileNotFoundError:\n        pass\n"
+            "os.mkfifo('.stdout')\nos.symlink('/dev/zero', '.stderr')\nprint('still judged')")
+    results = []
+    call = threading.Thread(target=lambda: results.append(run_python_snippet(code, LIMITS)),
+                            daemon=True)
+    call.start()
+    call.join(timeout=20)
+    assert results, "the parent is stuck on what the child left in its folder"
+    assert results[0].error is None and results[0].stdout == "still judged\n"
+
+
+def test_a_stopped_call_takes_its_child_along(monkeypatch):
+    """A call stopped while its child runs (a stage's SIGTERM, an error) kills the child:
+    in a session of its own, nothing else would reach it."""
+    from shardrl.tasks import sandbox
+
+    pids = []
+
+    def stopped(proc, *args):
+        pids.append(proc.pid)
+        time.sleep(0.3)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(sandbox, "_collect", stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run_python_snippet("import time\ntime.sleep(60)", LIMITS)
+    assert pids and not _alive(pids[0])
+
+
+def test_a_killed_parent_takes_its_child_along(tmp_path):
+    """SIGKILL leaves the parent no chance to kill its child: the kernel does it."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "child.pid"
+    snippet = (f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+               "time.sleep(60)")
+    script = tmp_path / "parent.py"
+    script.write_text("from shardrl.tasks.sandbox import SandboxLimits, run_python_snippet\n"
+                      f"run_python_snippet({snippet!r}, SandboxLimits(cpu_seconds=30, "
+                      "memory_mb=256, wall_seconds=60))\n")
+    parent = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 20
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(marker.read_text())
+        assert _alive(child)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+@pytest.mark.parametrize(("code", "refused"), [
+    ("import __main__ as m\nfor v in list(vars(m).values()):\n"
+     "    if isinstance(v, (set, dict)):\n        v.clear()\nimport os\nos.fork()", "os.fork"),
+    ("import gc\ngc.get_objects()", "gc.get_objects"),
+])
+def test_the_guard_is_out_of_the_snippets_reach(code, refused):
+    """The guard's settings are not module globals a snippet can import and empty, and the
+    heap walk that would find its hook is refused."""
+    result = run_python_snippet(code, LIMITS)
+    assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"

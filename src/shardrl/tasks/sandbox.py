@@ -6,8 +6,10 @@ LANG, HOME and TMPDIR pointing at the working directory): credentials in the par
 environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) are not handed to it. Before any untrusted code
 runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
 (bytes written to any file, stdout included), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
-the parent enforces the wall-clock limit and kills the child's whole process group. The
-result comes back as JSON over a private pipe, read as it comes (at most `output_bytes`).
+the parent enforces the wall-clock limit and kills the child's whole process group, also
+when the call is stopped; the kernel kills the child if the parent dies (PR_SET_PDEATHSIG).
+The result comes back as JSON over a private pipe, read as it comes (at most `output_bytes`);
+stdout and stderr through files the parent holds open, never by a name in the child's folder.
 Failures never raise here: they come back as an error string, "timeout", "memory" or
 "crashed: ...".
 
@@ -43,67 +45,92 @@ from typing import Any
 
 MAX_ERROR_CHARS = 500
 
-# Runs in the child. argv: request file, result pipe fd. Limits first, then the work.
+# Runs in the child. argv: request file, result pipe fd. Limits first, then the work. Nothing
+# the guard reads is left where the untrusted code could reach it by name (`import __main__`
+# gives this module): the guard's settings are immutable values bound into it in a function
+# whose frame is gone before the code runs.
 _BOOTSTRAP = r"""
 import json, os, resource, sys
-with open(sys.argv[1]) as fh:
-    req = json.load(fh)
-os.unlink(sys.argv[1])
-fd = int(sys.argv[2])
-def report(msg):
-    os.write(fd, json.dumps(msg).encode())
-cpu = req["cpu_seconds"]
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (req["memory_bytes"], req["memory_bytes"]))
-resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_NOFILE, (req["open_files"], req["open_files"]))
-# the limits above hold per process: no new process, no exec, no signal to another process
-# (and for a snippet, no native calls and no raw fork_exec), so nothing outgrows them
-blocked = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
-           "subprocess.Popen"}
-if req["mode"] == "snippet":
-    blocked |= {"ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function"}
-    # a signal by process file descriptor raises no audit event: those calls are replaced,
-    # and their modules cannot be imported afresh (below). Python-level only: a snippet
-    # that reaches the interpreter's internals gets past it (the README says so)
-    import posix, signal, _signal
-    def refused(*args, **kwargs):
-        raise PermissionError("not allowed in the sandbox: pidfd")
-    for mod, name in ((os, "pidfd_open"), (posix, "pidfd_open"),
-                      (signal, "pidfd_send_signal"), (_signal, "pidfd_send_signal")):
-        if hasattr(mod, name):
-            setattr(mod, name, refused)
-own = os.getpid()
-def guard(event, args):
-    if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
-            event == "import" and req["mode"] == "snippet"
-            and args[0] in ("_posixsubprocess", "_ctypes", "posix", "_signal")):
-        raise PermissionError("not allowed in the sandbox: " + event
-                              + (" " + str(args[0]) if event == "import" else ""))
-sys.addaudithook(guard)
-sys.path[:0] = req["sys_path"]
-try:
-    if req["mode"] == "snippet":
-        try:
-            exec(compile(req["code"], "<snippet>", "exec"), {"__name__": "__main__"})
-        except SystemExit as exc:
-            if exc.code not in (None, 0):
-                raise
-        value = None
-    else:
-        import importlib
-        module, _, attr = req["target"].partition(":")
-        fn = importlib.import_module(module)
-        for part in attr.split("."):
-            fn = getattr(fn, part)
-        value = fn(*req["args"])
-    sys.stdout.flush()
-    report({"value": value})
-except MemoryError:
-    report({"error": "memory"})
-except BaseException as exc:
-    report({"error": ("crashed: %s: %s" % (type(exc).__name__, exc))[:%(max_error)d]})
+
+def _start():
+    with open(sys.argv[1]) as fh:
+        req = json.load(fh)
+    os.unlink(sys.argv[1])
+    # killed with the parent (SIGKILL, or the parent stopped mid-call): never left running.
+    # ctypes is then forgotten, so that a snippet importing it loads it anew (refused below)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+    if os.getppid() != req["parent"]:  # the parent died first
+        os._exit(1)
+    cpu = req["cpu_seconds"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (req["memory_bytes"], req["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (req["open_files"], req["open_files"]))
+    _guard(req["mode"] == "snippet")
+    return req, int(sys.argv[2])
+
+def _guard(snippet):
+    # the limits hold per process: no new process, no exec, no signal to another process
+    # (and for a snippet, no native calls, no raw fork_exec and no walking the heap to this
+    # hook), so nothing outgrows them
+    blocked = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
+               "subprocess.Popen"}
+    native = frozenset()
+    if snippet:
+        blocked |= {"ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function",
+                    "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
+        native = frozenset(("_posixsubprocess", "_ctypes", "posix", "_signal"))
+        # a signal by process file descriptor raises no audit event: those calls are
+        # replaced, and their modules cannot be imported afresh. Python-level only: a
+        # snippet that reaches the interpreter's internals gets past it (the README says so)
+        import posix, signal, _signal
+        def refused(*args, **kwargs):
+            raise PermissionError("not allowed in the sandbox: pidfd")
+        for mod, name in ((os, "pidfd_open"), (posix, "pidfd_open"),
+                          (signal, "pidfd_send_signal"), (_signal, "pidfd_send_signal")):
+            if hasattr(mod, name):
+                setattr(mod, name, refused)
+    blocked, own = frozenset(blocked), os.getpid()
+    def guard(event, args):
+        if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
+                event == "import" and args[0] in native):
+            raise PermissionError("not allowed in the sandbox: " + event
+                                  + (" " + str(args[0]) if event == "import" else ""))
+    sys.addaudithook(guard)
+
+def _main(req, fd):
+    def report(msg):
+        os.write(fd, json.dumps(msg).encode())
+    sys.path[:0] = req["sys_path"]
+    try:
+        if req["mode"] == "snippet":
+            try:
+                exec(compile(req["code"], "<snippet>", "exec"), {"__name__": "__main__"})
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise
+            value = None
+        else:
+            import importlib
+            module, _, attr = req["target"].partition(":")
+            fn = importlib.import_module(module)
+            for part in attr.split("."):
+                fn = getattr(fn, part)
+            value = fn(*req["args"])
+        sys.stdout.flush()
+        report({"value": value})
+    except MemoryError:
+        report({"error": "memory"})
+    except BaseException as exc:
+        report({"error": ("crashed: %s: %s" % (type(exc).__name__, exc))[:%(max_error)d]})
+
+_request = _start()
+del _start, _guard
+_main(*_request)
 """.replace("%(max_error)d", str(MAX_ERROR_CHARS))
 
 
@@ -242,45 +269,52 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
     snippet = request["mode"] == "snippet"
     request = {
         **request,
+        "parent": os.getpid(),
         "cpu_seconds": max(1, math.ceil(limits.cpu_seconds)),  # RLIMIT_CPU counts whole seconds
         "memory_bytes": limits.memory_mb * 1024 * 1024,
         "output_bytes": limits.output_bytes,
         "open_files": limits.open_files,
     }
-    with tempfile.TemporaryDirectory(prefix="shardrl-sandbox-", ignore_cleanup_errors=True) as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="shardrl-sandbox-", ignore_cleanup_errors=True) as work,
+        # the child's stdout and stderr are read back through these descriptors, never by
+        # name: the folder is the child's, which may put a FIFO or a link in their place
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
         req_path = Path(work) / "request.json"
         req_path.write_text(json.dumps(request))
         read_fd, write_fd = os.pipe()
+        proc = None
         try:
-            with (
-                open(Path(work) / ".stdout", "wb") as out,
-                open(Path(work) / ".stderr", "wb") as err,
-            ):
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-c", _BOOTSTRAP, str(req_path), str(write_fd)],
-                    cwd=work,
-                    env=clean_env(work),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    pass_fds=(write_fd,),
-                    start_new_session=True,
-                )
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOTSTRAP, str(req_path), str(write_fd)],
+                cwd=work,
+                env=clean_env(work),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
             os.close(write_fd)
             write_fd = -1
             cpu: list[float] = []
             raw, stopped = _collect(proc, read_fd, limits.wall_seconds, limits.output_bytes, cpu)
-            try:  # the whole group: nothing the child started outlives the call
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        finally:
+        finally:  # also when this call is stopped (a signal, an error): the child goes too
+            if proc is not None:
+                try:  # the whole group: nothing the child started outlives the call
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
             os.close(read_fd)
             if write_fd >= 0:
                 os.close(write_fd)
-        stdout = (Path(work) / ".stdout").read_bytes()[: limits.output_bytes]
-        stderr = (Path(work) / ".stderr").read_bytes()[-4096:].decode(errors="replace")
+        out.seek(0)
+        stdout = out.read(limits.output_bytes)
+        err.seek(max(0, os.fstat(err.fileno()).st_size - 4096))
+        stderr = err.read(4096).decode(errors="replace")
     text = stdout.decode(errors="replace")
     if stopped is not None:
         return SandboxResult(stdout=text, error=stopped)
