@@ -80,3 +80,18 @@ def test_config_max_digits_reaches_the_task():
     with pytest.raises(ConfigError, match=r"heldout_size` \(501\) exceeds half the held-out"):
         validate({"task": {"source": {"kind": "builtin", "name": "addition", "max_digits": 2,
                                       "heldout_size": 501}}}, "test")
+
+
+def test_asking_for_more_prompts_than_a_split_holds_is_an_error_not_a_hang():
+    """The guessing game's held-out split holds 828 distinct prompts: 829 used to be drawn
+    for ever, in every stage that builds the task."""
+    import time
+
+    from shardrl.tasks.episodic import GuessTask
+
+    assert len(GuessTask().heldout(828)) == 828
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"task 'guess': its heldout split holds about 828 "
+                       r"distinct prompts, fewer than the 829 asked \(task.source.heldout_size\)"):
+        GuessTask().heldout(829)
+    assert time.monotonic() - started < 60

@@ -119,3 +119,36 @@ def test_chat_answers_are_extracted():
     assert math_final_answer("The answer is not dbga", "dbga") == 0.0
     assert math_final_answer("dbgb", "dbga") == 0.0
     assert math_final_answer("It is New York.", "New York") == 1.0
+
+
+def test_a_huge_exponent_is_not_a_number_and_costs_nothing():
+    """`Fraction("1e999999999")` computes 10**999999999: hours for one short response."""
+    import time
+
+    from shardrl.tasks.builtin import TaskItem
+    from shardrl.tasks.environments import make_environment
+
+    started = time.monotonic()
+    assert parse_number("1e999999999") is None and parse_number("-2.5E-00000099999") is None
+    assert parse_number("1e1000") == Fraction(10) ** 1000
+    assert parse_number("2.5e-3") == Fraction(1, 400)
+    assert math_final_answer("The answer is 1e999999999", "42") == 0.0
+    assert numeric("1e3000000, then 42", "42") == 1.0  # the last number that is one
+    assert numeric("42 then 1e3000000", "42") == 1.0
+    calc = make_environment("calculator")
+    calc.reset(TaskItem("c", "17+25", "42", "calc"))
+    assert calc.step("answer: 1e3000000").reward == 0.0
+    assert time.monotonic() - started < 1.0
+
+
+def test_the_stated_answer_is_the_number_not_a_remark_after_it():
+    assert math_final_answer("The answer is 7.\nDouble-check: the answer is correct.", "7") == 1.0
+    assert math_final_answer("The answer is 5 because 2+2=4", "5") == 1.0
+    assert math_final_answer("#### 5 because 2+2=4", "5") == 1.0
+    assert math_final_answer("The answer is 5 because 2+2=4", "4") == 0.0
+    # an expression still gives what follows its last "="
+    assert final_answer("The answer is 5+38 = 43.") == "43"
+    assert final_answer("answer: 3 * 4 = 12") == "12"
+    assert final_answer("answer: 42 apples") == "42"
+    # a text reference still takes the last stated answer, as written
+    assert math_final_answer("The answer is 5.\nNo: the answer is x + 1", "x+1") == 1.0

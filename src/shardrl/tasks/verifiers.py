@@ -31,6 +31,9 @@ MAX_ERROR_CHARS = 500
 
 # A number as written in text: 1,234.5 / -3 / 3/4 / 2.5e-3 / .5
 _NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?:/\d+)?")
+_EXPONENT = re.compile(r"[eE][-+]?(\d+)")
+MAX_EXPONENT = 1000
+"""Largest power of ten a number may be written with (`1e1000`) to count as one."""
 _BOXED = "\\boxed{"
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _HASHES = re.compile(r"####\s*([^\n]+)")
@@ -41,6 +44,8 @@ _MARKUP = re.compile(r"\*\*|__|`|\\[()\[\]]")
 _ITALIC = re.compile(r"(?<![\w*])[*_](?=\S)([^*_\n]+?)(?<=\S)[*_](?![\w*])")
 _BOLD = re.compile(r"\*\*([^*\n]+)\*\*|__([^_\n]+)__")
 _WORD_EDGE = " \t.,;:!?\"'()[]{}"
+_OPERATOR = re.compile(r"\s*[-+*/^=×÷]")
+"""What continues an expression after a number ("5+38 = 43")."""
 
 
 class VerifierError(ValueError):
@@ -60,9 +65,13 @@ def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """Exact value of a number written as `1,234`, `-0.5`, `3/4`, `\\frac{3}{4}`, `2e3`, `$5`."""
+    """Exact value of a number written as `1,234`, `-0.5`, `3/4`, `\\frac{3}{4}`, `2e3`, `$5`;
+    None for anything else, and for exponents beyond +-`MAX_EXPONENT` (the exact value of
+    `1e999999999` would take hours to compute)."""
     s = _FRAC.sub(r"(\1)/(\2)", text.strip().rstrip(".").strip("$"))
     s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s).replace(" ", "").replace("(", "").replace(")", "")
+    if any(len(e.lstrip("0")) > 4 or int(e) > MAX_EXPONENT for e in _EXPONENT.findall(s)):
+        return None
     try:
         return Fraction(s)
     except (ValueError, ZeroDivisionError):
@@ -91,8 +100,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """A number at the start of `text` ("42 apples" -> "42"), else `text` up to ". " or ", ";
-    after the last "=" when there is one ("5+38 = 43." -> "43")."""
+    """A number at the start of `text` that no operator follows ("42 apples" -> "42", "5
+    because 2+2=4" -> "5"), else `text` up to ". " or ", " after the last "=" when there is
+    one ("5+38 = 43." -> "43")."""
+    lead = text.strip().lstrip("$")
+    if (number := _NUMBER.match(lead)) and not _OPERATOR.match(lead, number.end()):
+        return number.group(0)
     text = text.rsplit("=", 1)[-1]
     if number := _NUMBER.match(text.strip().lstrip("$")):
         return number.group(0)
@@ -114,16 +127,19 @@ def _bold_number(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str) -> str | None:
+def final_answer(response: str, number: bool = False) -> str | None:
     """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
     then the last emphasised number ("**42**"), then the last number. Markdown emphasis
-    and LaTeX inline delimiters around an answer are ignored."""
+    and LaTeX inline delimiters around an answer are ignored. With `number` (the reference
+    is one), the last "answer is X" or "#### X" whose X is a number: "the answer is 7. Check:
+    the answer is correct." -> "7"."""
     if (boxed := last_boxed(response)) is not None:
         return boxed
     plain = strip_markup(response)
     for pattern in (_ANSWER_IS, _HASHES):
-        if found := pattern.findall(plain):
-            return _leading_answer(found[-1])
+        if found := [_leading_answer(text) for text in pattern.findall(plain)]:
+            numbers = [text for text in found if parse_number(text) is not None]
+            return numbers[-1] if number and numbers else found[-1]
     if (bold := _bold_number(response)) is not None:
         return bold
     found = _NUMBER.findall(plain)
@@ -176,7 +192,7 @@ def math_final_answer(response: str, answer: str) -> float:
     words as many as the reference has.
     """
     expected = parse_number(answer)
-    stated = final_answer(response)
+    stated = final_answer(response, number=expected is not None)
     if stated is not None:
         got = parse_number(stated)
         if got is not None and expected is not None:
