@@ -13,8 +13,12 @@ import sys
 import threading
 import traceback
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
-"""A URL's `user:password@`, up to its last `@` before the path (a password may hold `@`)."""
+_USERINFO = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^\s/?#@:]*:\S*|[^/\s]*)@")
+"""A URL's `user:password@`: after a user and a colon, up to the last `@` of the address (a
+password may hold `@` and `/`, as database drivers read `postgresql://u:ab/cd@db/x`), else a
+user alone up to the last `@` before the path. An address whose path holds an `@` after a
+port (`http://host:8080/a@b`) is masked too: the safe way to be wrong."""
 _SECRET_QUERY = re.compile(
     r"(?i)(?P<name>[?&](?:access_token|token|password|passwd|secret|api_key|apikey|key|sig|"
     r"signature|x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&\s#]+")
