@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shardrl.config import load_config
 from shardrl.config.stages import DeepSpeedBackend, LearnerConfig
 from shardrl.learner_backends import OptimSettings, build_backend
+from shardrl.learner_backends.base import STEP_KEY
 from shardrl.learner_backends.deepspeed_backend import DeepSpeedLearnerBackend
 from shardrl.models.heads import Critic
 from shardrl.stages.update import compute_loss
@@ -134,6 +135,10 @@ def check_variant(stage: str, table: pa.Table) -> dict:
     first = deepspeed(stage, lm())
     run_steps(first, 1, table)
     state, after_one = first.state_dict(), weights(first)
+    # the checkpoint writer's form: the same tensors on rank 0, none held by the others
+    held = first.state_dict(everywhere=False)
+    leader_holds_all = (set(held) == ({STEP_KEY} if first.rank else set(state))
+                        and max_diff(held, state if not first.rank else held) == 0.0)
     resumed = deepspeed(stage, with_weights(after_one))
     resumed.load_state_dict(state)
     run_steps(resumed, 1, table)
@@ -160,7 +165,11 @@ def check_variant(stage: str, table: pa.Table) -> dict:
         "skip_changed": max_diff(weights(crossed), before),
         "world_size": ds.world_size,
         "broadcast": ds.broadcast_json({"from_rank": ds.rank, "keys": ["a", "b"]}),
+        # how long a follower may wait in a collective for the leader's next plan
+        "collective_timeout_s": torch.distributed.distributed_c10d._get_default_group()
+        ._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
         "step_state": float(state["step"]),
+        "leader_holds_all": leader_holds_all,
     }
 
 

@@ -196,9 +196,12 @@ class Backend(Protocol):
         """Within it the modules hold their full weights (ZeRO-3 gathers them); for publishing."""
         ...
 
-    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+    def state_dict(self, copy: bool = True, everywhere: bool = True) -> dict[str, Tensor]:
         """Full AdamW state as CPU tensors (a collective call under DeepSpeed); with
-        `copy=False` the optimizer's own tensors where `lends_state` (copies elsewhere)."""
+        `copy=False` the optimizer's own tensors where `lends_state` (copies elsewhere). With
+        `everywhere=False` only rank 0 gets the tensors (the others its step alone): the
+        checkpoint's writer, where every rank holding a whole copy would multiply the host
+        memory a checkpoint takes by the ranks."""
         ...
 
     def lend(self) -> Loan:

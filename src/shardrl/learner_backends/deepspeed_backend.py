@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -108,6 +109,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COLLECTIVE_TIMEOUT = timedelta(days=30)
+"""How long a rank waits in a collective: as long as a stage may run (`pipeline.
+stage_timeout_s` at most). The followers wait in one for the leader's next plan, which comes
+when the rollouts have made a batch: minutes or hours at a run's start (images pulled, an
+inference engine loading) or on a slow step, where DeepSpeed's default (10 minutes) failed the
+learner. A rank that dies is caught by `torchrun`, which stops the others."""
+
+
 def init_distributed() -> None:
     """Join the `torchrun` world, or make a world of one; nccl on CUDA, gloo otherwise."""
     if not torch.cuda.is_available():
@@ -119,7 +128,8 @@ def init_distributed() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=COLLECTIVE_TIMEOUT)
 
 
 def ds_config(cfg: DeepSpeedBackend, grad_clip: float | None,
@@ -260,10 +270,12 @@ class DeepSpeedLearnerBackend:
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+    def state_dict(self, copy: bool = True, everywhere: bool = True) -> dict[str, Tensor]:
         """Full tensors gathered from the partitions: always fresh ones, whatever `copy`.
         With bf16 the float32 masters too: the module's weights are their bfloat16 rounding,
-        and a resume from those would lose every update smaller than bfloat16's step."""
+        and a resume from those would lose every update smaller than bfloat16's step. Every
+        rank takes part in each gather; with `everywhere=False` only rank 0 keeps what it
+        gathers, one tensor at a time."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         states = self._inner_states()
@@ -274,14 +286,18 @@ class DeepSpeedLearnerBackend:
         if steps.item() == 0:
             return state
         self._link_fragments()
+        keep = everywhere or self.rank == 0
         for part, module in self.parts.items():
             for name, param in module.named_parameters():
                 for slot in MOMENTS:
                     full = safe_get_full_optimizer_state(param, slot)
-                    state[moment_key(part, name, slot)] = full.detach().float().cpu().clone()
+                    if keep:
+                        state[moment_key(part, name, slot)] = full.detach().float().cpu().clone()
                 if self.bf16:
                     master = safe_get_full_fp32_param(param)
-                    state[moment_key(part, name, MASTER)] = master.detach().float().cpu().clone()
+                    if keep:
+                        state[moment_key(part, name, MASTER)] = \
+                            master.detach().float().cpu().clone()
         return state
 
     def lend(self) -> Loan:

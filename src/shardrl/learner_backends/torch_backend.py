@@ -75,7 +75,7 @@ class TorchLearnerBackend:
     def gathered(self) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+    def state_dict(self, copy: bool = True, everywhere: bool = True) -> dict[str, Tensor]:
         state: dict[str, Tensor] = {}
         step = 0.0
 

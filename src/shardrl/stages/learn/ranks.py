@@ -75,7 +75,7 @@ def gather(backend: Backend, model, leader: bool, checkpoint_due: bool, dtype: t
             if checkpoint_due and dtype != torch.float32 and not has_lora(model):
                 files[MASTERS] = publish_state(model, torch.float32, copy=not live)
     if checkpoint_due:
-        state = backend.state_dict(copy=not live)
+        state = backend.state_dict(copy=not live, everywhere=False)  # a collective call
         if backend.critic is not None:
             with backend.gathered():  # tied weights: each key gets its own copy in the file
                 critic = ({k: t.detach() if live else t.detach().to("cpu", copy=True)
