@@ -96,3 +96,34 @@ def test_param_count_from_safetensors_header(tmp_path):
                     struct.pack("<Q", len(header)) + header + bytes(64))
     assert param_count(store, keys) == 16  # 3 * 4 + 4
     assert param_count(store, RunKeys("other")) is None
+
+
+def test_a_curve_that_does_not_move_has_no_fit_rather_than_its_starting_guesses():
+    """With no gain, B and C_mid shape nothing: the fit stayed at its first start (B 0.50,
+    C_mid the compute's first quartile) and reported it with an interval of zero width."""
+    c = [0.0, 1e4, 2e4, 3e4, 4e4, 5e4, 6e4]
+    flat = fit_scaling(c, [0.5] * 7, n_boot=40)
+    assert isinstance(flat, NotEnoughData)
+    assert flat.summary().startswith("no scaling fit: no measurable gain over R0 0.500")
+    assert "B and C_mid are undetermined" in flat.summary()
+    # a real gain over the same compute still fits, and says where C_mid lies
+    rising = sigmoid(np.array(c), 0.8, 1.5, 2e4, 0.3)
+    fit = fit_scaling(c, rising, n_boot=40)
+    assert isinstance(fit, ScalingFit) and fit.c_mid == pytest.approx(2e4, rel=0.01)
+    assert "extrapolation" not in fit.summary()
+    beyond = fit_scaling(c, sigmoid(np.array(c), 0.8, 1.5, 2e5, 0.3), n_boot=40)
+    assert isinstance(beyond, ScalingFit)
+    assert "C_mid outside the compute fitted (1e+04 to 6e+04 tokens)" in beyond.summary()
+
+
+def test_without_learner_tokens_the_report_says_so_not_evaluate_more_often(tmp_path):
+    from shardrl.config import load_config
+    from shardrl.doctor.report import scaling_fit
+    from shardrl.doctor.series import RunHandle
+
+    handle = RunHandle(LocalStore(tmp_path), RunKeys("r1"), load_config("demo"))
+    evals = [("evaluate/pass_at_1", v, 0.1 * v / 10) for v in range(0, 70, 10)]
+    fit = scaling_fit(handle, Metrics.from_points(evals)).fit
+    assert isinstance(fit, NotEnoughData)
+    assert fit.summary() == ("no scaling fit: no `learn/tokens` series: the compute behind "
+                             "each evaluation is unknown")

@@ -392,3 +392,14 @@ def test_drift_between_the_sampler_and_the_learner():
     assert f.evidence[0].steps == (9, 12) and f.remedies[0].keys == ("learner.lr",)
     s["learn/mismatch_k3"] = np.full(N, 0.09)  # under drift_high 0.1
     assert codes(metrics(s)) == []
+
+
+def test_the_clip_remedy_suits_the_loss_it_is_for():
+    from shardrl.config import load_config
+    from shardrl.doctor.findings import _clip_range
+
+    ppo = _clip_range(load_config("demo")).action
+    gspo = _clip_range(load_config("demo", ["algo.loss.kind=gspo"])).action
+    assert "eps now 0.2/0.2, e.g. 0.1 -> 0.2" in ppo
+    # the sequence ratio's range is some thousand times a token ratio's
+    assert "eps now 0.0003/0.0004, e.g. 1.5x" in gspo and "0.1 -> 0.2" not in gspo

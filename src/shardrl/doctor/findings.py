@@ -95,8 +95,11 @@ def _clip_range(cfg: RunConfig) -> Remedy:
     if loss.kind == "cispo":
         return Remedy(f"loosen the importance-weight cap (max_ratio now {loss.max_ratio:g}) and "
                       "watch clip_frac leave ~0 for a moderate range", ("algo.loss.max_ratio",))
+    # GSPO clips a length-normalised sequence ratio, whose range is some thousand times
+    # narrower than a token ratio's (3e-4/4e-4 by default): a token-level example misleads
+    example = "e.g. 1.5x" if loss.kind == "gspo" else "e.g. 0.1 -> 0.2"
     return Remedy(f"widen the clip range moderately (eps now {loss.eps_low:g}/{loss.eps_high:g}, "
-                  "e.g. 0.1 -> 0.2) and watch clip_frac leave ~0 for a moderate range",
+                  f"{example}) and watch clip_frac leave ~0 for a moderate range",
                   ("algo.loss.eps_low", "algo.loss.eps_high"))
 
 

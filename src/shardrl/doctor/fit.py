@@ -50,6 +50,8 @@ class ScalingFit:
     residual_std: float
     at_bounds: tuple[str, ...] = ()
     """Parameters that ended on a bound of the search: the data do not pin them."""
+    compute_range: tuple[float, float] | None = None
+    """The compute of the points fitted: a C_mid outside it is an extrapolation."""
 
     def predict(self, c) -> np.ndarray:
         return sigmoid(c, self.a, self.b, self.c_mid, self.r0)
@@ -66,7 +68,11 @@ class ScalingFit:
                 f"{self.n_points} eval points, {self.n_boot} bootstrap fits, "
                 f"residual std {self.residual_std:.3g}"
                 + (f"; at a bound, not pinned by the data: {', '.join(self.at_bounds)}"
-                   if self.at_bounds else ""))
+                   if self.at_bounds else "")
+                + (f"; C_mid outside the compute fitted ({self.compute_range[0]:.3g} to "
+                   f"{self.compute_range[1]:.3g} tokens): an extrapolation"
+                   if self.compute_range and not (self.compute_range[0] <= self.c_mid
+                                                  <= self.compute_range[1]) else ""))
 
 
 @dataclass(frozen=True)
@@ -163,14 +169,23 @@ def fit_scaling(compute, pass_rate, min_points: int = 6, n_boot: int = 200,
         lo, hi = np.percentile([p[col] for p in boots], [2.5, 97.5])
         return transform(lo), transform(hi)
 
+    gain, noise = a - fit_r0, float(np.std(resid))
+    a_ci = interval(0)
+    if abs(gain) <= 2 * noise or (r0 is not None and a_ci and a_ci[0] <= r0 <= a_ci[1]):
+        # B and C_mid shape a gain there is none of: the fit would report its start
+        return NotEnoughData(len(cp), min_points, skip_fraction, reason=(
+            f"no measurable gain over R0 {fit_r0:.3f} (A - R0 = {gain:+.3f}, residual std "
+            f"{noise:.3g}{'' if a_ci is None else f', A within [{a_ci[0]:.3f}, {a_ci[1]:.3f}]'}"
+            f"): the pass rate did not move with compute, so B and C_mid are undetermined"))
     lower, upper = _bounds(cp, r0 is None)
     at_bounds = tuple(name for name, v, lo, hi in zip(("A", "B", "C_mid", "R0"), best, lower,
                                                        upper, strict=False)
                       if min(v - lo, hi - v) <= 1e-6 * (hi - lo))
     return ScalingFit(a=float(a), b=float(b), c_mid=math.exp(lc), r0=fit_r0,
-                      r0_fixed=r0 is not None, n_points=len(cp), a_ci=interval(0),
+                      r0_fixed=r0 is not None, n_points=len(cp), a_ci=a_ci,
                       b_ci=interval(1), c_mid_ci=interval(2, math.exp), n_boot=len(boots),
-                      residual_std=float(np.std(resid)), at_bounds=at_bounds)
+                      residual_std=noise, at_bounds=at_bounds,
+                      compute_range=(float(cp.min()), float(cp.max())))
 
 
 def eval_points(m: Metrics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -45,8 +45,12 @@ def scaling_fit(handle: RunHandle, m: Metrics) -> FitResult:
     versions, compute, rate = eval_points(m)
     d = handle.cfg.doctor
     params = param_count(handle.store, handle.keys)
-    fit = fit_scaling(compute, rate, min_points=d.fit_min_points, n_boot=d.fit_bootstrap,
-                      seed=handle.cfg.seed, skip_fraction=d.fit_skip_fraction)
+    if len(rate) and m.get("learn/tokens") is None:  # every point would sit at C = 0
+        fit = NotEnoughData(0, d.fit_min_points, reason="no `learn/tokens` series: the compute "
+                            "behind each evaluation is unknown")
+    else:
+        fit = fit_scaling(compute, rate, min_points=d.fit_min_points, n_boot=d.fit_bootstrap,
+                          seed=handle.cfg.seed, skip_fraction=d.fit_skip_fraction)
     return FitResult(versions, compute, rate, fit, 6.0 * params if params else None)
 
 
