@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader
-from shardrl.orchestrate.forward import Forwarder, metric_writers
+from shardrl.orchestrate.forward import Forwarder, metric_writers, settle_lags
 from shardrl.store import LocalStore, RunKeys, write_shard
 from shardrl.store.schemas import METRICS
 
@@ -119,6 +119,26 @@ def test_the_writers_of_inline_stages_are_the_rollout_workers():
                                       "evaluate": 1}
     apart = RunConfig.model_validate({"rollout": {"workers": 3, "postprocess": "stages"}})
     assert metric_writers(apart)["score"] == 1 and metric_writers(apart)["prepare"] == 1
+
+
+def test_a_scoring_stage_of_its_own_settles_its_steps_the_staleness_bound_later(tmp_path):
+    """Score, as a stage of its own, logs each shard at its generating version as shards
+    come: worker 0's v5 shard after worker 1's v6 one. Settled at its writer's newest step,
+    v5 went to MLflow twice (a partial mean, then the late shard alone), unlike the store."""
+    store, sent = LocalStore(tmp_path), Sent()
+    apart = RunConfig.model_validate({"rollout": {"workers": 2, "postprocess": "stages"},
+                                      "learner": {"max_staleness": 2}})
+    assert settle_lags(apart) == {"score": 2, "prepare": 2}
+    assert settle_lags(RunConfig.model_validate({"rollout": {"postprocess": "inline"}})) == {}
+    f = Forwarder(store, KEYS, {"score": 1}, sent, lags=settle_lags(apart))
+    log(store, "score", 0, [("score/reward", 5, 0.6), ("score/reward", 6, 0.7)])
+    assert f.forward() == 0  # v5 may still come: a shard up to 2 versions older than v6
+    log(store, "score", 0, [("score/reward", 5, 0.2), ("score/reward", 8, 0.9)])
+    f.forward()
+    f.forward(final=True)
+    assert sent.all() == [("score/reward", 5, 0.4), ("score/reward", 6, 0.7),
+                          ("score/reward", 8, 0.9)]
+    assert set(sent.all()) == store_series(store)  # the doctor's series, from either side
 
 
 def test_a_chunk_that_does_not_decode_is_passed_over_not_a_crash(tmp_path, caplog):

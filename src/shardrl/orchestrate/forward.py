@@ -10,6 +10,9 @@ rows, and the doctor reads the same series from MLflow as from the store.
 A step is reduced once no more points can come for it. Each metrics writer (`<stage>/wWW`,
 one process) logs its steps in increasing order and its chunks are read in order, so a step
 of a stage is settled when every writer of the stage has logged a later step (`Settled`).
+Score and prepare, run as stages of their own, log each shard at the version that generated
+it, in the order the shards reach them: a worker's shard of version v can come after another
+worker's of v + k (k the staleness bound), so their steps settle k steps later.
 Until then its points wait in memory; the last step of each stage waits for the end of the
 run (`forward(final=True)`). One-shot stages (the snapshot, promote) are sent as read.
 
@@ -44,6 +47,17 @@ TimedPoint = tuple[str, int, float, float]
 """(name, step, value, time): a metric point as MLflow takes it (time in epoch seconds)."""
 
 
+BY_SHARD_VERSION = ("score", "prepare")
+"""Stages that, run on their own, log each shard at its generating version, as shards come."""
+
+
+def settle_lags(cfg) -> dict[str, int]:
+    """Steps a stage's newest step must pass a step by before it settles: k for score and
+    prepare run as stages (inline, each rollout worker logs its own shards in order)."""
+    return {s.name: cfg.learner.max_staleness for s in STAGES
+            if s.name in BY_SHARD_VERSION and s.enabled(cfg)}
+
+
 def metric_writers(cfg) -> dict[str, int]:
     """Processes that log each looping stage's metrics: its replicas, or the rollout
     workers for a stage they run inline."""
@@ -59,8 +73,11 @@ class Settled:
     held until that many of its writers have logged. A stage it does not name (a one-shot
     stage) is released as read."""
 
-    def __init__(self, writers: dict[str, int], released: dict[str, int] | None = None) -> None:
+    def __init__(self, writers: dict[str, int], released: dict[str, int] | None = None,
+                 lags: dict[str, int] | None = None) -> None:
         self.writers = writers
+        self.lags = dict(lags or {})
+        """stage -> steps its writers' newest step must be past a step for it to settle."""
         self.released: dict[str, int] = dict(released or {})
         """stage -> the step below which every point read so far was released."""
         self.newest: dict[str, int] = {}
@@ -92,7 +109,9 @@ class Settled:
         if expected is None:
             return math.inf
         mine = [s for w, s in self.newest.items() if w.split("/", 1)[0] == stage_name]
-        return min(mine) if len(mine) >= expected else -math.inf
+        if len(mine) < expected:
+            return -math.inf
+        return min(mine) - self.lags.get(stage_name, 0)
 
     def release(self, final: bool = False) -> list[TimedPoint]:
         """The settled points (all of them when `final`), one per (name, step), in step order;
@@ -116,7 +135,8 @@ class Forwarder:
     step, keeping its place in `state/runner/forwarded.json`."""
 
     def __init__(self, store: Store, keys: RunKeys, writers: dict[str, int],
-                 send: Callable[[list[TimedPoint]], None]) -> None:
+                 send: Callable[[list[TimedPoint]], None],
+                 lags: dict[str, int] | None = None) -> None:
         self.store, self.send = store, send
         self.key = keys.state("runner", "forwarded.json")
         saved = store.get_json(self.key) if store.exists(self.key) else {}
@@ -128,7 +148,7 @@ class Forwarder:
         self.before = dict(self.read)
         """writer -> the last chunk the forwarder before this one read: of the chunks up to
         it, the points below the stage's `released` step were sent."""
-        self.settled = Settled(writers, saved["released"])
+        self.settled = Settled(writers, saved["released"], lags)
         self.open: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
         """writer -> (chunk, its newest step) read but not taken, in order."""
         self.seen: set[str] = set()

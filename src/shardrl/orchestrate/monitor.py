@@ -16,7 +16,7 @@ from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
 from ..tracking.mlflow_run import log_points, open_run, redacted, tracking_uri
 from .accounting import account
-from .forward import Forwarder, metric_writers
+from .forward import Forwarder, metric_writers, settle_lags
 
 
 class Monitor:
@@ -32,7 +32,8 @@ class Monitor:
         self.last_line = ""
         self.last_tick = 0.0
         self.forwarder = Forwarder(lr.store, lr.keys, metric_writers(lr.cfg),
-                                   lambda points: log_points(self.client, self.mlflow, points))
+                                   lambda points: log_points(self.client, self.mlflow, points),
+                                   lags=settle_lags(lr.cfg))
         """Sends the metric chunks to MLflow, reduced per step; a resumed run forwards only
         what its predecessor had not."""
         self.last_eval: tuple[int, dict] | None = None
