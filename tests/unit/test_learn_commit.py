@@ -110,3 +110,59 @@ def test_a_failed_commit_surfaces_while_the_learner_waits_for_data():
         writer.check()  # raised once: nothing left
     finally:
         writer.close()
+
+
+def test_the_learners_metrics_land_behind_their_commit_and_never_for_a_failed_one(tmp_path):
+    """A step's figures flushed before its commit landed, by a learner stopped then, would be
+    logged again by the restarted learner redoing that step: two sets for one version."""
+    import time
+
+    from shardrl.stages.context import MetricsSink
+    from shardrl.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    sink = MetricsSink(store, KEYS, "learn", 0)
+    writer, gate = Writer(), threading.Event()
+    sink.defer = writer.later
+
+    def chunks() -> list[str]:
+        return store.list(KEYS.root + "metrics/")
+
+    def failing_commit():
+        gate.wait(5)
+        raise OSError("store down")
+
+    try:
+        writer.submit(lambda: gate.wait(5))  # version 1's commit, in flight
+        sink.log(1, {"loss": 0.5})
+        sink.flush()
+        assert chunks() == []  # not before its commit
+        gate.set()
+        writer.wait()
+        assert len(chunks()) == 1
+        gate.clear()
+        writer.submit(failing_commit)  # version 2's commit fails
+        sink.log(2, {"loss": 0.4})
+        sink.flush()
+        gate.set()
+        with pytest.raises(OSError):
+            writer.wait()
+        assert len(chunks()) == 1  # version 2's figures never landed
+    finally:
+        writer.close()
+
+    # chunk names never go back, even when the clock does
+    sink.defer = None
+    ahead = time.time_ns() + 10 * 10**9
+    for now in (ahead, ahead - 5 * 10**9):  # the clock steps back 5 s
+        sink.log(3, {"loss": 0.3})
+        original = time.time_ns
+        time.time_ns = lambda now=now: now
+        try:
+            sink.flush()
+        finally:
+            time.time_ns = original
+    names = chunks()
+    assert names == sorted(names) and len(names) == 3
+    assert names[1].endswith(f"{ahead // 1000}.parquet")
+    assert names[2].endswith(f"{ahead // 1000 + 1}.parquet"), names

@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,6 +101,11 @@ class MetricsSink:
         self.flush_every_s = flush_every_s
         self._rows: list[tuple[str, int, float, float]] = []
         self._last_flush = time.monotonic()
+        self._last_key_us = 0
+        self.defer: Callable[[Callable[..., None], list], None] | None = None
+        """Where a flush's write goes instead of this thread: the learner's commit writer,
+        so that a step's figures land after its commit and never for a commit that did not
+        (a learner restarted before it redoes that step)."""
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record `{name: value}` at `step` (the policy version); names get the stage prefix."""
@@ -113,15 +119,28 @@ class MetricsSink:
     def flush(self) -> None:
         if not self._rows:
             return
-        names, steps, values, times = zip(*self._rows, strict=True)
+        rows, self._rows = self._rows, []
+        self._last_flush = time.monotonic()
+        if self.defer is not None:
+            self.defer(self._write, rows)
+            return
+        try:
+            self._write(rows)
+        except BaseException:
+            self._rows[:0] = rows  # kept for the next flush
+            raise
+
+    def _write(self, rows: list[tuple[str, int, float, float]]) -> None:
+        names, steps, values, times = zip(*rows, strict=True)
         table = pa.table({
             "stage": [self.stage] * len(names), "name": list(names), "step": list(steps),
             "value": list(values), "time": list(times),
         })
-        key = self.keys.metrics_chunk(self.stage, self.worker, time.time_ns() // 1000)
-        write_shard(self.store, key, table, METRICS)
-        self._rows.clear()
-        self._last_flush = time.monotonic()
+        # named by the clock, but never below the last name: readers resume after the newest
+        # chunk they read, so one named earlier after the clock stepped back would be missed
+        self._last_key_us = max(time.time_ns() // 1000, self._last_key_us + 1)
+        write_shard(self.store, self.keys.metrics_chunk(self.stage, self.worker,
+                                                        self._last_key_us), table, METRICS)
 
 
 @dataclass

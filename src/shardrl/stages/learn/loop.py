@@ -112,6 +112,8 @@ class Learner:
         """Where new weights go ahead of their commit (`stages.channel`), or None."""
         if self.channel is not None:
             self.channel.clear()  # versions an earlier learner made and may not have committed
+        if ctx.metrics is not None and self.leader:  # a step's figures land behind its commit
+            ctx.metrics.defer = self.writer.later
 
     def _resume_backend(self):
         """The backend over the policy (and critic), with the weights and optimizer state of
@@ -194,8 +196,12 @@ class Learner:
     def close_writes(self) -> None:
         """Wait for the writes in flight (raising their error), then stop the writers."""
         try:
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.flush()  # behind the last commit, as each flush
             self.writer.close()
         finally:
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.defer = None
             try:
                 self.taken_writer.close()
             finally:
@@ -297,14 +303,20 @@ class Learner:
                     applied=applied)
         self.in_step = False
         metrics.update(
-            beta=self.kl.beta, staleness_max=float(lag), k=float(k),
+            beta=self.kl.beta, k=float(k),
             stale_dropped=float(self.ledger.counts["stale_dropped"]),
             skipped_steps=float(self.ledger.counts["skipped_steps"]),
-            **self.profile.step_metrics(started, updated, time.monotonic(), len(kept), tokens),
         )
+        if applied or every_round:  # a new version: its batch's figures are its own
+            metrics.update(staleness_max=float(lag), **self.profile.step_metrics(
+                started, updated, time.monotonic(), len(kept), tokens))
+        # else the version stays: its throughput and timing would be averaged into the
+        # figures of the update that made it (a non-finite loss still shows, at the version
+        # it was computed on)
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % self.cfg.learner.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
+            # (written behind this step's commit, as every flush of the learner's)
             # off the step's path, after the commit: where the commits' writes run (in their
             # child process by default, which keeps its Python off this process's lock)
             self.writer.later(self.commits.run, [Check(self.version)])
