@@ -24,10 +24,20 @@ help:
 	@echo "make images            build and push the images (stages, MLflow) to IMAGE_REGISTRY, tagged VERSION-gREV"
 	@echo "make manifest-secrets  OVERLAY=standalone|kubeflow: generate the manifests' credentials (git-ignored)"
 
+# TORCH_INDEX: the index torch comes from (default: pip's configured one), e.g. PyTorch's CPU
+# wheels, https://download.pytorch.org/whl/cpu, where the default index serves a CUDA build
+TORCH_INDEX ?=
+# the project needs Python 3.11: said before a .venv of another version is made or used
+NEEDS_311 := import sys; sys.exit(sys.version_info[:2] != (3, 11) and \
+	f"{sys.executable} is Python {sys.version.split()[0]}; ShardRL needs 3.11")
+
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if test -x $(PY); then $(PY) -c '$(NEEDS_311)' || \
+		{ echo "remove .venv (make clean), then: make ... PYTHON=python3.11" >&2; exit 2; }; \
+	else $(PYTHON) -c '$(NEEDS_311)' || { echo "give one: make ... PYTHON=python3.11" >&2; \
+		exit 2; }; $(PYTHON) -m venv $(VENV); fi
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation -e ".[$(NO_ISOLATION_EXTRAS)]"
 	@touch $(STAMP)

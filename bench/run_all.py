@@ -427,17 +427,19 @@ def table() -> str:
 
 
 def record_memory() -> None:
-    """Peak RSS per stage of the newest demo run (the TRL benchmark runs the demo)."""
-    from bench.results import merge_results
-    from bench.trl_bench import WORK as DEMO_RUNS
+    """Peak RSS per stage of the newest demo run: the TRL benchmark's last repeat (its runs
+    are deleted once read, so the figures come from what it recorded)."""
+    from bench.results import RESULTS, merge_results
 
-    summaries = sorted((DEMO_RUNS / "runs").glob("*/state/runner/summary.json"),
-                       key=lambda p: p.stat().st_mtime)
-    if summaries:
-        peaks = json.loads(summaries[-1].read_text()).get("peak_rss_mb")
-        if peaks:
-            merge_results("memory", {"peak_rss_mb": peaks,
-                                     "run": summaries[-1].parents[2].name})
+    rows = json.loads(RESULTS.read_text()).get("trl", {}).get("rows", []) \
+        if RESULTS.exists() else []
+    for row in reversed(rows):
+        if peaks := row.get("shardrl", {}).get("peak_rss_mb"):
+            merge_results("memory", {"peak_rss_mb": peaks, "run": f"seed {row.get('seed')}"},
+                          RESULTS)
+            return
+    print("no peak memory recorded by the TRL benchmark's runs: the memory rows are not "
+          "updated", file=sys.stderr)
 
 
 def main() -> None:

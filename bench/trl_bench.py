@@ -539,6 +539,7 @@ def run_shardrl(config: str, overrides: list[str], run_id: str) -> dict:
             "consumed": runner["accounting"]["consumed"], "eval_samples": eval_samples,
             "cpu_s": cpu_s, "rl_wall_s": rl_wall_s, "machine_share": share,
             "cpu_per_step": cpu_per_step(cpu_s, points, done["steps"]),
+            "peak_rss_mb": runner.get("peak_rss_mb"),  # read here: the run is discarded after
             **pipeline_figures(points), "snapshot": snapshot}
 
 

@@ -568,3 +568,22 @@ def test_table_names_the_chosen_thread_count_and_the_interval():
                       "its sync" in name)
     assert "90% bootstrap interval" in pooled_row
     assert table[pooled_row] == "0.76x (0.76x to 0.76x)"
+
+
+def test_peak_memory_comes_from_what_the_trl_benchmark_recorded(tmp_path, monkeypatch):
+    """The benchmark deletes each run once read: the memory rows come from its last repeat's
+    recorded peaks, not from a run folder that is no longer there (or an old one that is)."""
+    import json
+
+    import bench.results
+    from bench.run_all import record_memory
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"trl": {"rows": [
+        {"seed": 0, "shardrl": {"peak_rss_mb": {"learn": 900.0}}},
+        {"seed": 1, "shardrl": {"peak_rss_mb": {"learn": 1000.0, "rollout": 1100.0}}}]}}))
+    monkeypatch.setattr(bench.results, "RESULTS", results)
+    record_memory()
+    memory = json.loads(results.read_text())["memory"]
+    assert memory["peak_rss_mb"] == {"learn": 1000.0, "rollout": 1100.0}
+    assert memory["run"] == "seed 1"
