@@ -71,6 +71,20 @@ def find_run(client: Any, experiment_id: str, name: str) -> Any | None:
     return found.runs[0] if found.runs else None
 
 
+def _differs(run: Any, pipeline_id: str, version_id: str, params: dict[str, Any]) -> str | None:
+    """What makes an existing run another submission than this one (another pipeline, package
+    or parameters: a name reused, not a retry), or None."""
+    ref = run.pipeline_version_reference
+    if ref is None or ref.pipeline_id != pipeline_id:
+        return "another pipeline"
+    if ref.pipeline_version_id != version_id:
+        return "another compiled package (the code or the image tag changed)"
+    given = (run.runtime_config.parameters if run.runtime_config else None) or {}
+    if any(given.get(k) != v for k, v in params.items()):
+        return "other parameters (another config)"
+    return None
+
+
 def _answer_lost(exc: BaseException) -> bool:
     """Whether a failed request may still have been carried out: no answer came (a connection
     error), or a gateway's 5xx stands where the API's answer should be."""
@@ -234,6 +248,10 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
         exp = client.create_experiment(name=experiment, namespace=namespace)
         run, found = None, None
         if reuse_named and (run := find_run(client, exp.experiment_id, run_name)) is not None:
+            if (differs := _differs(run, pipeline_id, version_id, params)) is not None:
+                raise SubmitError(f"a run named {run_name} exists in experiment {experiment} "
+                                  f"({run.run_id}) with {differs}: it is not this submission's "
+                                  "first try; give another --run-name (RUN_NAME)")
             found = f"a run named {run_name} exists in experiment {experiment}"
         if run is None:
             try:

@@ -102,7 +102,9 @@ class FakeKfp:
             body = req.json()
             self.runs.append({"run_id": f"run-{len(self.runs) + 1}", "state": "PENDING",
                               "display_name": body["display_name"],
-                              "experiment_id": body["experiment_id"]})
+                              "experiment_id": body["experiment_id"],
+                              "pipeline_version_reference": body["pipeline_version_reference"],
+                              "runtime_config": body["runtime_config"]})
             if self.lost_run_answers:
                 self.lost_run_answers -= 1
                 return None
@@ -448,5 +450,32 @@ def test_a_named_run_that_exists_is_followed_not_started_again(kfp_api, monkeypa
     # another name starts its own run
     assert cli_main(["pipeline", "run", "demo", "--run-name", "ci-1235"]) == 0
     assert [r["display_name"] for r in state.runs] == ["ci-1234", "ci-1235"]
+    capsys.readouterr()
+    # the name reused for another config is refused, not taken as a retry
+    state.requests.clear()
+    assert cli_main(["pipeline", "run", "calculator", "--run-name", "ci-1234"]) == 1
+    err = capsys.readouterr().err
+    assert "a run named ci-1234 exists in experiment shardrl (run-1) with other parameters " \
+           "(another config): it is not this submission's first try; give another " \
+           "--run-name" in err, err
+    assert ("POST", f"{API}/runs") not in state.paths()
+
+
+def test_a_run_of_another_pipeline_or_package_is_not_a_retry():
+    from types import SimpleNamespace as NS
+
+    from pipelines.submit import _differs
+
+    def run(pipeline, version, config):
+        return NS(pipeline_version_reference=NS(pipeline_id=pipeline, pipeline_version_id=version),
+                  runtime_config=NS(parameters={"config": config, "store": "s3://x"}))
+
+    params = {"config": "c", "store": "s3://x"}
+    assert _differs(run("pl-1", "pv-1", "c"), "pl-1", "pv-1", params) is None
+    assert _differs(run("pl-2", "pv-1", "c"), "pl-1", "pv-1", params) == "another pipeline"
+    assert _differs(run("pl-1", "pv-2", "c"), "pl-1", "pv-1", params).startswith(
+        "another compiled package")
+    assert _differs(run("pl-1", "pv-1", "d"), "pl-1", "pv-1", params).startswith(
+        "other parameters")
     with pytest.raises(SystemExit):
         cli_main(["pipeline", "run", "demo", "--run-name", " "])
