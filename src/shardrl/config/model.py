@@ -76,6 +76,10 @@ class ModelConfig(Section):
     fp32_lm_head: bool = True
     """Compute logits in float32 in both generator and learner (ScaleRL)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for training and generation."""
+    """The dtype policy versions are published in (`learner.publish.dtype: auto`): the
+    generator samples with the weights rounded to it. Both the generator and the torch learner
+    compute in float32 whatever it is (the learner keeps float32 weights; DeepSpeed's `bf16`
+    sets its own compute dtype): it halves what a version costs to store and send, not the
+    memory or time of computing."""
     sft: SFTConfig = SFTConfig()
     """Supervised warm start before RL."""
