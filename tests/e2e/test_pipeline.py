@@ -65,6 +65,16 @@ def test_evaluation_after_training_waits_for_the_learner(tmp_path, tiny_config):
         assert evals[v]["published"] < done["time"] <= evals[v]["evaluated"], v
     best = max((e["pass_at_1"], v) for v, e in evals.items())
     assert s["promote"]["champion"] and s["promote"]["version"] == best[1]
+    # the chosen version evaluated again on fresh samples: that figure is registered, the
+    # best-of-three one (biased upward) kept beside it
+    confirm = json.loads((store / "runs" / "ea" / "state" / "evaluate" / "confirm.json")
+                         .read_text())
+    assert confirm["version"] == best[1] and confirm["seed"] == 12_346
+    assert confirm["setup"] == evals[best[1]]["setup"] and confirm["evaluated"] > done["time"]
+    assert s["promote"]["value"] == confirm["pass_at_1"]
+    assert s["promote"]["selected_value"] == best[0]
+    assert f"{confirm['pass_at_1']:.3f} confirmed on fresh samples ({best[0]:.3f} when " \
+           "chosen)" in res.stdout
 
 
 def test_synchronous_run_with_k0(tmp_path, tiny_config):

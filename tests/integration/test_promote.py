@@ -154,6 +154,47 @@ def test_a_champion_measured_another_way_stays_champion(registry):
     assert later["champion"]
 
 
+def test_the_chosen_version_is_registered_and_compared_on_its_confirming_evaluation(registry):
+    """The best of several evaluations is biased upward (the winner's curse): evaluate measures
+    the chosen version again on fresh samples, and that figure is what is registered and
+    compared. A confirmation of another version, or measured another way, is not used."""
+    tmp, cfg, store = registry
+    named = tmp / "confirm.yaml"
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-confirm, margin: 0.0}}\n")
+
+    def confirmed(run_id: str, version: int, value: float, setup: str) -> None:
+        folder = store / "runs" / run_id / "state" / "evaluate"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "confirm.json").write_text(json.dumps(
+            {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version,
+             "seconds": 1.0, "published": 1.7e9, "evaluated": 1.7e9, "temperature": 1.0,
+             "seed": 12_346, "setup": setup}))
+
+    def promote(run_id: str, evals: dict, confirm: tuple | None) -> dict:
+        shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
+        _fake_evals(store, run_id, evals, "s" * 16)
+        if confirm:
+            confirmed(run_id, *confirm)
+        _stage("promote", named, store, run_id, tmp)
+        return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json")
+                          .read_text())
+
+    first = promote("run-k1", {0: 0.1, 5: 0.80, 10: 0.70}, (5, 0.74, "s" * 16))
+    assert (first["version"], first["value"], first["selected_value"]) == (5, 0.74, 0.80)
+    c = _client(tmp)
+    assert float(c.get_model_version("promo-confirm", first["model_version"])
+                 .tags["eval.pass_at_1"]) == 0.74
+    # 0.78 when chosen beats the champion's 0.80 when chosen, not its confirmed 0.74: compared
+    # on confirmed figures, 0.76 confirmed takes the place
+    second = promote("run-k2", {0: 0.1, 5: 0.78}, (5, 0.76, "s" * 16))
+    assert second["champion"] and second["value"] == 0.76
+    # a confirmation of another version, or of another setup, is passed over
+    other = promote("run-k3", {0: 0.1, 5: 0.70, 10: 0.72}, (5, 0.99, "s" * 16))
+    assert other["value"] == 0.72 and "selected_value" not in other
+    another = promote("run-k4", {0: 0.1, 5: 0.70}, (5, 0.99, "t" * 16))
+    assert another["value"] == 0.70 and "selected_value" not in another
+
+
 def _client(tmp: Path):
     from mlflow.tracking import MlflowClient
 

@@ -118,15 +118,20 @@ class Monitor:
                   f"T={first['temperature']})")
         print(f"samples           {acc.line()}")
         print(f"staleness         {done.staleness} (version lag: admitted samples)")
+        # the chosen version's figure, confirmed on fresh samples when it was the best of
+        # several (its own evaluation's, the selection, in brackets)
+        figure = (f"{promo['metric']} {promo['value']:.3f} confirmed on fresh samples "
+                  f"({promo['selected_value']:.3f} when chosen)" if "selected_value" in promo
+                  else f"{promo.get('metric')} {promo.get('value', float('nan')):.3f}")
         if promo.get("model_version") is not None:
             print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
-                  f"(policy v{promo['version']}, {promo['metric']} {promo['value']:.3f}"
+                  f"(policy v{promo['version']}, {figure}"
                   f"{', champion' if promo.get('champion') else ', challenger only'})")
             if promo.get("champion_kept"):
                 print(f"                  {promo['champion_kept']}")
         elif promo:  # tracking off: chosen, but there is no registry to put it in
-            print(f"chosen version    policy v{promo['version']} ({promo['metric']} "
-                  f"{promo['value']:.3f}; tracking is off, so nothing was registered)")
+            print(f"chosen version    policy v{promo['version']} ({figure}; tracking is off, "
+                  "so nothing was registered)")
         if lr.cfg.tracking.enabled:
             uri = redacted(tracking_uri(lr.cfg))
             print(f"MLflow            {uri}")

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from .engine import PolicyEngine
 
 EVAL_SEED = 12_345
+CONFIRM_SEED = EVAL_SEED + 1
+"""Sampling seed of the confirming evaluation: draws independent of the ones the choice
+was made on."""
 NOT_FIGURES = ("seconds", "temperature", "published", "evaluated")
 """A summary's numbers that are not the evaluation's figures: its timing and settings."""
 
@@ -135,9 +138,42 @@ def main(ctx: StageContext) -> int:
                 ctx.log.error("policy v%d is gone from the store: not evaluated", version)
             schedule.advance()
             continue
-        if (finished and latest >= schedule.total) or ctx.once:
+        if finished and latest >= schedule.total:
+            confirm_choice(ctx, engine, task)
+            return 0
+        if ctx.once:
             return 0
         time.sleep(cfg.eval.poll_interval_s)
+
+
+def confirm_choice(ctx: StageContext, engine: PolicyEngine | None, task) -> dict | None:
+    """Evaluate the version promote will choose once more, on fresh samples.
+
+    The choice is the best of several evaluations on the same held-out items, so the chosen
+    version's figure is biased upward: the maximum of noisy estimates (the winner's curse).
+    A second evaluation of that version alone, with independent draws, is not; promote
+    registers and compares it. Nothing to confirm when promote takes the last version, or
+    when sampling is greedy (the same draws again)."""
+    from .engine import PolicyEngine
+    from .policy import MANIFEST
+    from .promote import choose
+
+    cfg, store, keys = ctx.cfg, ctx.store, ctx.keys
+    if cfg.promote.choose != "best" or cfg.eval.temperature == 0:
+        return None
+    evaluated = summaries(store, keys)
+    if not evaluated:
+        return None
+    version = choose(evaluated, cfg.promote.metric, "best")
+    known = store.get_json(keys.eval_confirm()) if store.exists(keys.eval_confirm()) else None
+    if known is not None and known.get("version") == version:
+        return known  # a stage restarted after it
+    if not store.exists(keys.policy_file(version, MANIFEST)):
+        ctx.log.error("policy v%d is gone from the store: its choice is not confirmed", version)
+        return None
+    engine = engine or PolicyEngine(ctx, version)
+    return evaluate_version(ctx, engine, task, version, confirm=True)
+
 
 
 def evaluates_snapshot(cfg) -> bool:
@@ -192,7 +228,11 @@ def eval_setup(cfg, items) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int) -> dict:
+def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int,
+                     confirm: bool = False) -> dict:
+    """Evaluate `version` on the held-out items; its table, metrics and summary stored. With
+    `confirm`, on fresh draws (`CONFIRM_SEED`), stored as `eval_confirm` and logged under
+    `evaluate/confirmed/`: the version's own evaluation stays as it was."""
     cfg = ctx.cfg
     engine.ensure(version)
     items = task.heldout
@@ -201,7 +241,8 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     from .episodes import episode_runner
 
     sampling = dict(temperature=cfg.eval.temperature, top_p=1.0,
-                    max_new_tokens=cfg.eval_max_new_tokens, seed=EVAL_SEED)
+                    max_new_tokens=cfg.eval_max_new_tokens,
+                    seed=CONFIRM_SEED if confirm else EVAL_SEED)
     episodes = episode_runner(ctx, engine)  # multi-turn: the environment's return is the reward
     with ctx.cores.busy():
         prompt_ids = engine.encode([it.prompt for it in items])
@@ -226,7 +267,8 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
             cols["response_length"].append(len(s.token_ids))
             cols["finish_reason"].append(s.finish_reason)
     table = pa.table(cols)
-    write_shard(ctx.store, ctx.keys.eval_table(version), table, EVAL)
+    write_shard(ctx.store, ctx.keys.eval_confirm("parquet") if confirm
+                else ctx.keys.eval_table(version), table, EVAL)
     summary = summarize(table)
     from .policy import MANIFEST
 
@@ -236,11 +278,18 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     summary.update(version=version, prompts=len(items), samples_per_prompt=n,
                    temperature=cfg.eval.temperature, seconds=time.monotonic() - started,
                    published=published, evaluated=time.time(), setup=eval_setup(cfg, items))
+    prefix = "evaluate/confirmed/" if confirm else "evaluate/"
     # the metrics are stored before the summary, which marks the version evaluated: a stage
     # stopped in between evaluates it again (the same points), never leaves them unlogged
-    ctx.metrics.log(version, {f"evaluate/{k}": v for k, v in summary.items()
+    ctx.metrics.log(version, {f"{prefix}{k}": v for k, v in summary.items()
                               if isinstance(v, float) and k not in NOT_FIGURES})
     ctx.metrics.flush()
+    if confirm:
+        summary["seed"] = CONFIRM_SEED
+        ctx.store.put_json(ctx.keys.eval_confirm(), summary)
+        ctx.log.info("v%d pass@1 %.3f on fresh samples (the version promote chooses, confirmed)",
+                     version, summary["pass_at_1"])
+        return summary
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
     EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],

@@ -44,14 +44,37 @@ def main(ctx: StageContext) -> int:
         ctx.log.error("no evaluated version to promote: did the evaluate stage run?")
         return 1
     version = choose(summaries, cfg.promote.metric, cfg.promote.choose)
-    metric = float(summaries[version][cfg.promote.metric])
-    result = {"version": version, "metric": cfg.promote.metric, "value": metric,
+    summary = summaries[version]
+    result = {"version": version, "metric": cfg.promote.metric,
               "baseline": summaries.get(0, {}).get(cfg.promote.metric)}
+    confirmed = confirmation(ctx, version, summary)
+    if confirmed is not None:  # the best of several evaluations, measured again unbiased
+        result["selected_value"] = float(summary[cfg.promote.metric])
+        summary = confirmed
+    metric = float(summary[cfg.promote.metric])
+    result["value"] = metric
     if cfg.tracking.enabled:
-        result.update(register(ctx, version, metric, summaries[version]))
+        result.update(register(ctx, version, metric, summary))
     ctx.store.put_json(ctx.keys.state("promote", "result.json"), result)
     ctx.log.info("promote: %s", result)
     return 0
+
+
+def confirmation(ctx: StageContext, version: int, summary: dict) -> dict | None:
+    """The confirming evaluation of the chosen `version` (`evaluate.confirm_choice`), when
+    there is one of it, measured as its own evaluation was; else None (promote takes the last
+    version, sampling is greedy, or the run predates it), and the version's own figures
+    count."""
+    key = ctx.keys.eval_confirm()
+    confirmed = ctx.store.get_json(key) if ctx.store.exists(key) else None
+    if confirmed is None or confirmed.get("version") != version:
+        return None
+    if confirmed.get("setup") != summary.get("setup"):
+        ctx.log.warning("promote: the confirming evaluation of v%d was measured another way "
+                        "than its own (setup %s against %s): not used", version,
+                        confirmed.get("setup"), summary.get("setup"))
+        return None
+    return confirmed
 
 
 def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:

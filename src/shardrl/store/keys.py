@@ -296,6 +296,11 @@ class RunKeys:
         (`RetiredChange`); numbered in key order."""
         return self.retired_prefix() + f"{_number(n, MAX_COUNT, 'change'):09d}.json"
 
+    def eval_confirm(self, suffix: str = "json") -> str:
+        """`state/evaluate/confirm.json` (and `.parquet`): the chosen version evaluated again
+        on fresh samples (`evaluate.confirm_choice`)."""
+        return self.state("evaluate", f"confirm.{suffix}")
+
     def eval_latest(self) -> str:
         """`state/evaluate/latest.json`: the newest evaluated version (`EvalPointer`)."""
         return self.state("evaluate", "latest.json")
