@@ -143,12 +143,22 @@ def test_a_huge_exponent_is_not_a_number_and_costs_nothing():
 
 def test_the_stated_answer_is_the_number_not_a_remark_after_it():
     assert math_final_answer("The answer is 7.\nDouble-check: the answer is correct.", "7") == 1.0
+    assert math_final_answer("#### 42\nI double-checked: the answer is correct.", "42") == 1.0
     assert math_final_answer("The answer is 5 because 2+2=4", "5") == 1.0
     assert math_final_answer("#### 5 because 2+2=4", "5") == 1.0
     assert math_final_answer("The answer is 5 because 2+2=4", "4") == 0.0
-    # an expression still gives what follows its last "="
-    assert final_answer("The answer is 5+38 = 43.") == "43"
-    assert final_answer("answer: 3 * 4 = 12") == "12"
-    assert final_answer("answer: 42 apples") == "42"
+    # an expression gives what follows its last "=", however its operators are written
+    for response, answer in (("The answer is 5+38 = 43.", "43"), ("answer: 3 * 4 = 12", "12"),
+                             ("The answer is 3 \\times 4 = 12.", "12"),
+                             ("The answer is 3 \\cdot 4 = 12.", "12"),
+                             ("The answer is 4 times 3 = 12.", "12"),
+                             ("The answer is 50% of 20 = 10.", "10"),
+                             ("The answer is 5! = 120", "120"),
+                             ("The answer is 3 apples + 4 apples = 7 apples.", "7"),
+                             ("#### 2 hours * 30 = 60", "60"), ("answer: 42 apples", "42")):
+        assert final_answer(response) == answer, response
+        assert math_final_answer(response, answer) == 1.0, response
     # a text reference still takes the last stated answer, as written
     assert math_final_answer("The answer is 5.\nNo: the answer is x + 1", "x+1") == 1.0
+    # a later answer that is a word, not a remark, is the answer: a retraction counts
+    assert math_final_answer("The answer is 12.\nNo, the answer is thirteen.", "12") == 0.0

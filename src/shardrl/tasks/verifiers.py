@@ -44,8 +44,12 @@ _MARKUP = re.compile(r"\*\*|__|`|\\[()\[\]]")
 _ITALIC = re.compile(r"(?<![\w*])[*_](?=\S)([^*_\n]+?)(?<=\S)[*_](?![\w*])")
 _BOLD = re.compile(r"\*\*([^*\n]+)\*\*|__([^_\n]+)__")
 _WORD_EDGE = " \t.,;:!?\"'()[]{}"
-_OPERATOR = re.compile(r"\s*[-+*/^=×÷]")
-"""What continues an expression after a number ("5+38 = 43")."""
+_CLAUSE_END = re.compile(r"\.\s|,\s|;\s|\s(?:because|since|as)\s", re.IGNORECASE)
+"""Where the clause that states an answer ends."""
+_REMARK = re.compile(r"(?:correct|right|wrong|incorrect|above|below|as follows|confirmed|"
+                     r"verified|clear|obvious)\b", re.IGNORECASE)
+"""What "the answer is ..." says of an answer rather than stating one ("the answer is
+correct"): passed over for the answer stated before it."""
 
 
 class VerifierError(ValueError):
@@ -100,16 +104,15 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """A number at the start of `text` that no operator follows ("42 apples" -> "42", "5
-    because 2+2=4" -> "5"), else `text` up to ". " or ", " after the last "=" when there is
-    one ("5+38 = 43." -> "43")."""
-    lead = text.strip().lstrip("$")
-    if (number := _NUMBER.match(lead)) and not _OPERATOR.match(lead, number.end()):
+    """The answer an "answer is ..." clause states: its first clause (up to ". ", ", ", "; "
+    or "because"), after the last "=" in it, the number there if it starts with one ("42
+    apples" -> "42", "5+38 = 43." -> "43", "3 \\times 4 = 12" -> "12", "5 because 2+2=4"
+    -> "5"), else that text ("x + 1, clearly" -> "x + 1")."""
+    clause = _CLAUSE_END.split(text, maxsplit=1)[0]
+    tail = clause.rsplit("=", 1)[-1]
+    if number := _NUMBER.match(tail.strip().lstrip("$")):
         return number.group(0)
-    text = text.rsplit("=", 1)[-1]
-    if number := _NUMBER.match(text.strip().lstrip("$")):
-        return number.group(0)
-    return re.split(r"\.\s|,\s", text, maxsplit=1)[0]
+    return tail
 
 
 def strip_markup(text: str) -> str:
@@ -127,19 +130,19 @@ def _bold_number(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str, number: bool = False) -> str | None:
+def final_answer(response: str) -> str | None:
     """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
     then the last emphasised number ("**42**"), then the last number. Markdown emphasis
-    and LaTeX inline delimiters around an answer are ignored. With `number` (the reference
-    is one), the last "answer is X" or "#### X" whose X is a number: "the answer is 7. Check:
-    the answer is correct." -> "7"."""
+    and LaTeX inline delimiters around an answer are ignored, and so is an "answer is" that
+    remarks on the answer instead of stating one ("the answer is 7. Check: the answer is
+    correct." -> "7")."""
     if (boxed := last_boxed(response)) is not None:
         return boxed
     plain = strip_markup(response)
     for pattern in (_ANSWER_IS, _HASHES):
-        if found := [_leading_answer(text) for text in pattern.findall(plain)]:
-            numbers = [text for text in found if parse_number(text) is not None]
-            return numbers[-1] if number and numbers else found[-1]
+        stated = [text for text in pattern.findall(plain) if not _REMARK.match(text.strip())]
+        if stated:
+            return _leading_answer(stated[-1])
     if (bold := _bold_number(response)) is not None:
         return bold
     found = _NUMBER.findall(plain)
@@ -192,7 +195,7 @@ def math_final_answer(response: str, answer: str) -> float:
     words as many as the reference has.
     """
     expected = parse_number(answer)
-    stated = final_answer(response, number=expected is not None)
+    stated = final_answer(response)
     if stated is not None:
         got = parse_number(stated)
         if got is not None and expected is not None:
