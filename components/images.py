@@ -59,9 +59,11 @@ BUILD_CONTEXT = ("pyproject.toml", "README.md", "src", "components", "pipelines"
 
 def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str | None:
     """The source revision: `SHARDRL_GIT_REVISION`, else the checkout's short commit id, with
-    `-dirty.HASH` when a tracked file differs from it or an untracked one (not ignored) lies in
-    `BUILD_CONTEXT`; HASH is of those differences, so two dirty builds share a tag only when
-    they hold the same files. None outside a checkout."""
+    `-dirty.HASH` when what the images are built from differs from it: a tracked file of
+    `BUILD_CONTEXT` or `images/` changed, or an untracked one (not ignored) in
+    `BUILD_CONTEXT`. HASH is of those differences, so two dirty builds share a tag only when
+    they hold the same files, and a change elsewhere (a config, a test) keeps the tag of the
+    images already built. None outside a checkout."""
     env = os.environ if env is None else env
     if env.get(REVISION_ENV):
         return env[REVISION_ENV]
@@ -72,7 +74,9 @@ def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> s
 
     try:
         head = git("rev-parse", "--short=12", "HEAD").decode().strip()
-        changed = git("diff", "HEAD", "--binary")
+        # what the images are built from: their context, and the Dockerfiles beside it
+        changed = git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--",
+                      *BUILD_CONTEXT, "images")
         untracked = sorted(git("ls-files", "--others", "--exclude-standard", "-z", "--",
                                *BUILD_CONTEXT).split(b"\0")[:-1])
         digest = hashlib.sha256(changed)

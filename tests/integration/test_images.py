@@ -178,14 +178,26 @@ def test_tags_carry_the_version_and_the_revision(tmp_path):
     (repo / "src").mkdir()
     (repo / "src" / "x.pyc").write_text("nor ignored ones")
     assert revision({}, repo) == head
-    # a changed file: dirty, tagged after the change, so two different changes never share a tag
+    # nor a change to a tracked file the images do not hold (a config, a test)
     (repo / "a.txt").write_text("2")
+    assert revision({}, repo) == head
+    _git(repo, "add", "src")
+    _git(repo, "add", "-f", "src/x.pyc")
+    (repo / "pyproject.toml").write_text("[project]\n")
+    _git(repo, "add", "pyproject.toml", ".gitignore")
+    _git(repo, "commit", "-q", "-m", "two")
+    head = _git(repo, "rev-parse", "--short=12", "HEAD")
+    # a change to what they hold: dirty, tagged after the change, so two different changes
+    # never share a tag
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     tag = build_tag({}, repo)
     assert re.fullmatch(rf"{re.escape(__version__)}-g{head}-dirty\.[0-9a-f]{{8}}", tag), tag
     assert build_tag({}, repo) == tag  # the same changes: the same tag
-    (repo / "a.txt").write_text("3")
+    (repo / "a.txt").write_text("3")  # and one elsewhere leaves it
+    assert build_tag({}, repo) == tag
+    (repo / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     assert build_tag({}, repo) != tag
-    (repo / "a.txt").write_text("1")
+    (repo / "pyproject.toml").write_text("[project]\n")
     assert revision({}, repo) == head
     # an untracked file that the images copy makes the tree dirty: it would be inside them
     (repo / "src" / "new.py").write_text("x = 1\n")
