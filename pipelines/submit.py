@@ -78,7 +78,7 @@ def _differs(run: Any, pipeline_id: str, version_id: str, params: dict[str, Any]
     if ref is None or ref.pipeline_id != pipeline_id:
         return "another pipeline"
     if ref.pipeline_version_id != version_id:
-        return "another compiled package (the code or the image tag changed)"
+        return "another compiled package (the code, the config or the image tag changed)"
     given = (run.runtime_config.parameters if run.runtime_config else None) or {}
     if any(given.get(k) != v for k, v in params.items()):
         return "other parameters (another config)"
