@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "run":
+        # OpenMP reads this once, as torch loads: in the runner, whose forked stages keep it
+        # (their own setting, `LocalRunner.placement`, would come too late for them)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.command == "stage":
         args.workers_stated = args.workers is not None
         args.workers = args.workers or 1

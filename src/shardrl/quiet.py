@@ -16,10 +16,14 @@ QUIET_LIBRARIES_ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TQDM_DISABLE": "1",
     "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 """Environment that keeps transformers, huggingface_hub and tqdm from drawing progress bars
-and printing advisory warnings, and MLflow from logging its database set-up at INFO into a
-run's output (a variable the user set is left as it is)."""
+and printing advisory warnings, MLflow from logging its database set-up at INFO into a
+run's output, and MLflow and huggingface_hub from reporting usage over the network (MLflow's
+reporter also starts threads in the runner, which then forks its stages; a variable the user
+set is left as it is)."""
 
 
 def quiet_libraries() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pyarrow as pa
+import pytest
 
 from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader
@@ -130,6 +131,8 @@ def test_a_scoring_stage_of_its_own_settles_its_steps_the_staleness_bound_later(
                                       "learner": {"max_staleness": 2}})
     assert settle_lags(apart) == {"score": 2, "prepare": 2}
     assert settle_lags(RunConfig.model_validate({"rollout": {"postprocess": "inline"}})) == {}
+    huge = {"rollout": {"postprocess": "stages"}, "learner": {"max_staleness": 1000}}
+    assert settle_lags(RunConfig.model_validate(huge)) == {"score": 32, "prepare": 32}
     f = Forwarder(store, KEYS, {"score": 1}, sent, lags=settle_lags(apart))
     log(store, "score", 0, [("score/reward", 5, 0.6), ("score/reward", 6, 0.7)])
     assert f.forward() == 0  # v5 may still come: a shard up to 2 versions older than v6
@@ -157,3 +160,61 @@ def test_a_chunk_that_does_not_decode_is_passed_over_not_a_crash(tmp_path, caplo
                for r in caplog.records)
     again = Sent()  # a restarted forwarder moved past it: nothing sent twice, nothing raised
     assert forwarder(store, again).forward(final=True) == 0 and again.all() == []
+
+
+def test_points_whose_sending_failed_go_with_the_next_forward(tmp_path):
+    """MLflow down: the points stay (in memory, and the saved place does not move past them)
+    and are sent once it answers; a forwarder started over sends them too."""
+    store, sent = LocalStore(tmp_path), Sent()
+    down = True
+
+    def send(points):
+        if down:
+            raise ConnectionError("MLflow is down")
+        sent(points)
+
+    f = Forwarder(store, KEYS, {"learn": 1}, send)
+    log(store, "learn", 0, [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)])
+    with pytest.raises(ConnectionError):
+        f.forward()
+    again = Forwarder(store, KEYS, {"learn": 1}, sent)  # a runner started over meanwhile
+    again.forward(final=True)
+    assert sent.all() == [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)]
+    sent.batches.clear()
+    down = False
+    log(store, "learn", 0, [("learn/loss", 3, 0.1)])
+    f.forward()
+    assert sent.all() == [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)]
+
+
+def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
+    """The runner's loop restarts crashed stages and answers Ctrl-C: a forward that fails
+    warns once and is tried again later, with MLflow's requests kept short meanwhile."""
+    import os
+
+    from shardrl.orchestrate import monitor as monitor_module
+    from shardrl.orchestrate.monitor import BRIEF, Monitor
+
+    seen = []
+
+    class Failing:
+        def forward(self, final=False):
+            seen.append(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES"))
+            raise ConnectionError("http://u:secret@mlflow:5000 refused")
+
+    m = Monitor.__new__(Monitor)
+    m.mlflow, m.forwarder, m.forward_after, m.forward_failing = "run", Failing(), 0.0, False
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    m._forward(patient=False)
+    m._forward(patient=False)  # within RETRY_S: not tried
+    assert seen == [BRIEF["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]]
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # the stages forked later
+    monkeypatch.setattr(monitor_module, "RETRY_S", 0.0)
+    m.forward_after = 0.0
+    m._forward(final=True)  # the summary's: patient, MLflow's own retries
+    assert seen[-1] is None
+    err = capsys.readouterr().err
+    assert err.count("MLflow did not take the run's metrics") == 1 and "secret" not in err
+    m.forwarder = type("Up", (), {"forward": lambda self, final=False: 0})()
+    m._forward()
+    assert "MLflow takes the run's metrics again" in capsys.readouterr().err

@@ -379,3 +379,26 @@ def test_the_watches_a_stage_waited_on_at_start_stay_open_until_it_ends(tmp_path
     ctx.close()
     assert ctx._idle_watches == []
     assert all(getattr(w, "fd", -1) == -1 for w in kept)  # closed (inotify watches here)
+
+
+def test_a_forked_stage_that_fails_masks_credentials_in_its_traceback(tmp_path, monkeypatch):
+    """A library's error may quote an address with its credentials (MLflow's "API request to
+    https://user:token@host failed"): the forked stage's traceback goes to its log masked,
+    as a subprocess's does through its excepthook."""
+    import io
+    import sys
+
+    import shardrl.cli
+    from shardrl.orchestrate.fork import fork_stage
+
+    def failing(argv):
+        raise RuntimeError("API request to https://ci:hunter22@mlflow.example/api failed")
+
+    monkeypatch.setattr(shardrl.cli, "main", failing)
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.FileIO(2, "w", closefd=False)))
+    log = tmp_path / "stage.log"
+    child = fork_stage(["stage"], log, {}, "failing", lambda: None)
+    assert child.wait(timeout=30) == 1
+    text = log.read_text()
+    assert "RuntimeError: API request to https://***@mlflow.example/api failed" in text, text
+    assert "hunter22" not in text

@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from ..redact import redacted
+
 STAGE_MODULES = ("shardrl.stages", "shardrl.stages.snapshot", "shardrl.stages.rollout",
                  "shardrl.stages.score", "shardrl.stages.prepare", "shardrl.stages.learn",
                  "shardrl.stages.evaluate", "shardrl.stages.promote",
@@ -133,7 +135,8 @@ def fork_stage(argv: list[str], log: Path, env: dict[str, str], name: str,
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child reports and exits, whatever happened
-        traceback.print_exc()
+        # credentials in it masked, as a subprocess's excepthook does (`redact`)
+        sys.stderr.write(redacted(traceback.format_exc()))
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

@@ -51,10 +51,17 @@ BY_SHARD_VERSION = ("score", "prepare")
 """Stages that, run on their own, log each shard at its generating version, as shards come."""
 
 
+SETTLE_LAG_MAX = 32
+"""The most steps a stage's points wait for late shards: a larger k would hold them all in
+the runner's memory, unsent, for the whole run (a shard later still goes as a point of its
+own)."""
+
+
 def settle_lags(cfg) -> dict[str, int]:
     """Steps a stage's newest step must pass a step by before it settles: k for score and
-    prepare run as stages (inline, each rollout worker logs its own shards in order)."""
-    return {s.name: cfg.learner.max_staleness for s in STAGES
+    prepare run as stages (inline, each rollout worker logs its own shards in order), at most
+    `SETTLE_LAG_MAX`."""
+    return {s.name: min(cfg.learner.max_staleness, SETTLE_LAG_MAX) for s in STAGES
             if s.name in BY_SHARD_VERSION and s.enabled(cfg)}
 
 
@@ -153,16 +160,23 @@ class Forwarder:
         """writer -> (chunk, its newest step) read but not taken, in order."""
         self.seen: set[str] = set()
         """The open chunks' keys (the tail lists them again until they are taken)."""
+        self.unsent: list[TimedPoint] = []
+        """Released points whose sending failed: sent first by the next `forward`."""
 
     def forward(self, final: bool = False) -> int:
         """Read the new chunks, send what is settled (everything when `final`); the number of
-        points sent."""
+        points sent. A send that fails raises, and its points go again with the next call
+        (the saved place stays where it was: a new forwarder sends them too)."""
         for key in self.tail.poll():
             if key not in self.seen:
                 self._read(key)
-        points = self.settled.release(final)
+        points, self.unsent = self.unsent + self.settled.release(final), []
         if points:
-            self.send(points)
+            try:
+                self.send(points)
+            except Exception:
+                self.unsent = points
+                raise
         if self._take() or points:
             self.store.put_json(self.key, {"marks": self.tail.marks, "read": self.read,
                                            "released": self.settled.released})

@@ -198,6 +198,8 @@ class LocalRun:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal(p.popen.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: a zombie counts
+                    p.popen.wait(timeout=5)  # as running, and its model cache would stay
 
 
 def prepare_run(args) -> LocalRun:
@@ -237,7 +239,6 @@ def prepare_run(args) -> LocalRun:
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
         cfg = RunConfig.model_validate(recorded_config(store, keys.run_json()))
         store = open_store(store_uri, retry_policy(cfg))
-        clear_abort(store, keys)
     else:
         if not args.config:
             raise SystemExit("shardrl run: give a CONFIG (file or preset) or --resume RUN_ID")
@@ -258,6 +259,8 @@ def prepare_run(args) -> LocalRun:
     logs = keys.root + "logs/"  # a folder store's runner logs live under the run's root
     new = not args.resume and not any(not k.startswith(logs) for k in store.list(keys.root))
     claim(store, keys, store_uri)  # before anything of this runner's is written
+    if args.resume:  # the abort marker moves aside only once the run is this runner's
+        clear_abort(store, keys)
     log_dir = run_log_dir(store_uri, run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
@@ -711,6 +714,7 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                     monitor.say(f"run aborted: {marker.describe()}")
                     lr.stop_all()
                     return 1
+                release_cache(lr.run_id)  # the model files of the process that ended
                 if code == EXIT_STORE_UNAVAILABLE:
                     lr.store.exists(lr.keys.run_json())  # raises StoreUnavailable if still down
                 if p.restarts >= limit:

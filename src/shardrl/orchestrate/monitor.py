@@ -8,8 +8,11 @@ folder of the run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..stages.evaluate import latest_evaluated, summaries
@@ -17,6 +20,29 @@ from ..store.records import Done, Progress
 from ..tracking.mlflow_run import log_points, open_run, redacted, tracking_uri
 from .accounting import account
 from .forward import Forwarder, metric_writers, settle_lags
+
+RETRY_S = 30.0
+"""Seconds between a tick's tries to forward metrics while MLflow fails to answer."""
+
+
+@contextlib.contextmanager
+def brief_requests() -> Iterator[None]:
+    """MLflow's HTTP requests made inside: one retry and a 10 s timeout instead of its
+    default minutes. Set in the runner's own environment for the call only: the stages it
+    forks later (promote) keep MLflow's patient defaults."""
+    saved = {k: os.environ.get(k) for k in BRIEF}
+    os.environ.update(BRIEF)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+BRIEF = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 class Monitor:
@@ -36,6 +62,9 @@ class Monitor:
                                    lags=settle_lags(lr.cfg))
         """Sends the metric chunks to MLflow, reduced per step; a resumed run forwards only
         what its predecessor had not."""
+        self.forward_after = 0.0
+        """No forwarding by a tick before this time (MLflow failed to answer the last)."""
+        self.forward_failing = False
         self.last_eval: tuple[int, dict] | None = None
         """(version, summary) of the newest evaluation seen."""
         self.mlflow = None
@@ -67,7 +96,7 @@ class Monitor:
         elif line != self.last_line:
             print(line, flush=True)
         self.last_line = line
-        self._forward()
+        self._forward(patient=False)
 
     def _last_eval(self) -> tuple[int, dict] | None:
         """(version, summary) of the newest evaluation; its summary is read once."""
@@ -81,11 +110,30 @@ class Monitor:
         """Every evaluation summary by version (lists `eval/`: for the closing summary)."""
         return summaries(self.lr.store, self.lr.keys)
 
-    def _forward(self, final: bool = False) -> None:
+    def _forward(self, final: bool = False, patient: bool = True) -> None:
         """Send MLflow the settled steps of new metric chunks (every step when `final`): the
-        runner is the only SQLite writer."""
-        if self.mlflow is not None:
-            self.forwarder.forward(final)
+        runner is the only SQLite writer.
+
+        MLflow down does not stop the run: the metrics stay in the store, a warning says so
+        once, and they go once it answers (or with `--resume`). A tick (not `patient`) makes
+        one short try, then none for `RETRY_S`: MLflow's own retries take minutes, which the
+        runner's loop, restarting crashed stages and answering Ctrl-C, cannot wait."""
+        if self.mlflow is None or (not patient and time.monotonic() < self.forward_after):
+            return
+        try:
+            with contextlib.nullcontext() if patient else brief_requests():
+                self.forwarder.forward(final)
+        except Exception as exc:  # noqa: BLE001 - any failure of the side channel
+            self.forward_after = time.monotonic() + RETRY_S
+            if not self.forward_failing:
+                print(f"MLflow did not take the run's metrics ({redacted(str(exc))[:300]}): "
+                      f"they stay in the store; trying again every {RETRY_S:.0f} s, and a "
+                      "resumed run sends what is left", file=sys.stderr, flush=True)
+            self.forward_failing = True
+            return
+        if self.forward_failing:
+            print("MLflow takes the run's metrics again", file=sys.stderr, flush=True)
+        self.forward_failing = False
 
     def finish_metrics(self, final: bool = True) -> None:
         """The last progress line and forward; `final` sends every step, settled or not (no

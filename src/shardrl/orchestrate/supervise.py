@@ -84,6 +84,8 @@ def run(args) -> int:
     while True:
         started = time.monotonic()
         child = subprocess.Popen(command, preexec_fn=die_with_parent())
+        if stopping.is_set():  # a signal while it started went to the child before it
+            child.send_signal(signal.SIGTERM)
         code = child.wait()
         release_cache(args.run_id)  # the model files of a child killed before its end
         if stopping.is_set():

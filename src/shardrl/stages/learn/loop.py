@@ -312,7 +312,8 @@ class Learner:
                 started, updated, time.monotonic(), len(kept), tokens))
         # else the version stays: its throughput and timing would be averaged into the
         # figures of the update that made it (a non-finite loss still shows, at the version
-        # it was computed on)
+        # it was computed on). Its reads, waits and hops count toward the next version's
+        # figures, the time that version took; its tokens, not trained on, toward none
         self.ctx.metrics.log(self.version, metrics)
         if applied and self.version % self.cfg.learner.doctor_every == 0:
             self.ctx.metrics.flush()  # the doctor reads the store: include this step
