@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardrl.stages.context import StageContext, cache_root, release_cache
 
 
@@ -77,3 +79,35 @@ def test_supervisor_removes_the_cache_its_child_left(tmp_path, monkeypatch):
                      store=str(tmp_path / "store"), worker=0, workers=1, once=False)
     assert supervise.run(args) == 0
     assert not (tmp_path / "cache" / "r4").exists()
+
+
+def test_the_runner_removes_a_crashed_stages_model_cache_when_it_sees_the_exit(tmp_path,
+                                                                             monkeypatch):
+    """Each process downloads its own copy of the model files (about 0.5 GB a stage for
+    SmolLM2): a crashed stage's would add up restart after restart until the run ended."""
+    from shardrl.config import load_config
+    from shardrl.orchestrate import local
+    from shardrl.store import LocalStore
+
+    cfg = load_config("demo", ["pipeline.max_restarts=1"])
+    run = local.LocalRun(cfg, "r1", str(tmp_path), LocalStore(str(tmp_path)), tmp_path,
+                         tmp_path / "config.yaml")
+    released = []
+    monkeypatch.setattr(local, "release_cache", released.append)
+
+    class Crashed:
+        def poll(self):
+            return 1
+
+    run.procs = [local.Proc("rollout", 0, Crashed(), tmp_path / "rollout.log")]
+
+    class Monitor:
+        def say(self, text):
+            raise KeyboardInterrupt  # stop the loop at its first report
+
+        def tick(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        local.supervise(run, Monitor(), lambda: False)
+    assert released == ["r1"]

@@ -61,3 +61,22 @@ def test_stages_that_all_end_without_done_fail_the_run(tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert "stopped before the run was done: run aborted: learn stopped the run" in out
     assert "--resume r1" in out
+
+
+def test_a_resume_refused_because_the_run_is_held_leaves_the_abort_marker(tmp_path,
+                                                                         monkeypatch):
+    """A second runner is refused before it writes anything: the abort marker, which the
+    first runner's stages stop on, stays where it is."""
+    import pytest
+
+    store = stored_run(tmp_path)
+    Aborted(stage="learn", exit_code=1, reason="out of restarts", time=1.0).write(
+        store, KEYS.aborted())
+
+    def held(store, keys, uri):
+        raise SystemExit("shardrl run: run r1 is being run by another runner")
+
+    monkeypatch.setattr(local, "claim", held)
+    with pytest.raises(SystemExit, match="another runner"):
+        local.prepare_run(resume_args(tmp_path))
+    assert store.exists(KEYS.aborted())
