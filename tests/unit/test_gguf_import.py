@@ -28,9 +28,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% endif %}")
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, seed: int = 0, rope_scaling: float | None = None,
+                    rope_freqs: bool = False) -> dict[str, np.ndarray]:
     """A one-layer Llama with tied embeddings and a BPE tokenizer with a chat template;
-    returns the tensors as written (float32)."""
+    returns the tensors as written (float32). `rope_scaling`: a linear scaling factor;
+    `rope_freqs`: per-frequency factors, as Llama 3.1 files carry."""
     rng = np.random.default_rng(seed)
     vocab = SPECIALS + SYMBOLS
     head_dim = HIDDEN // HEADS
@@ -59,6 +61,11 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling)
+    if rope_freqs:
+        tensors["rope_freqs.weight"] = np.full(head_dim // 2, 2.0, dtype=np.float32)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(vocab))
     w.add_tokenizer_model("gpt2")
@@ -159,3 +166,43 @@ def test_existing_output_needs_force(tiny_gguf, tmp_path):
     assert (out / "keep.txt").exists()
     import_gguf(path, out, force=True, log=lambda _: None)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(("kind", "said"), [("scaling", "scales its rotary positions"),
+                                            ("freqs", "per-frequency rotary factors")])
+def test_rotary_settings_the_reader_drops_are_refused_not_imported_wrong(tmp_path, kind, said):
+    """transformers' GGUF reader ignores RoPE scaling and rope_freqs.weight: the folder would
+    compute other logits than the file, and the import's own check (the folder against
+    transformers' reading) could not tell."""
+    path = tmp_path / "scaled.gguf"
+    write_tiny_gguf(path, rope_scaling=4.0 if kind == "scaling" else None,
+                    rope_freqs=kind == "freqs")
+    with pytest.raises(GGUFImportError, match=said):
+        import_gguf(path, tmp_path / "model", log=lambda _: None)
+    assert not (tmp_path / "model").exists()
+
+
+def test_force_never_deletes_the_source_or_the_folder_it_runs_in(tiny_gguf, tmp_path,
+                                                                  monkeypatch):
+    path, _ = tiny_gguf
+    work = tmp_path / "work"
+    work.mkdir()
+    source = work / "model.gguf"
+    source.write_bytes(path.read_bytes())
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    for out, said in (((".", "is the current folder")), (str(tmp_path), "one above it"),
+                      (str(work), "is the current folder"),
+                      (str(source), "holds the GGUF file")):
+        with pytest.raises(GGUFImportError, match=said):
+            import_gguf(source, out, force=True, log=lambda _: None)
+    inside = work / "models" / "x"
+    inside.mkdir(parents=True)
+    moved = inside / "m.gguf"
+    moved.write_bytes(path.read_bytes())
+    with pytest.raises(GGUFImportError, match="holds the GGUF file"):
+        import_gguf(moved, work / "models", force=True, log=lambda _: None)
+    assert source.exists() and moved.exists() and (work / "notes.txt").read_text() == "keep"
+    (work / "afile").write_text("x")
+    with pytest.raises(GGUFImportError, match="is a file, not a folder"):
+        import_gguf(source, work / "afile", force=True, log=lambda _: None)

@@ -43,6 +43,57 @@ def check_gguf_file(path: str | Path) -> Path:
     return file
 
 
+def _output_folder(file: Path, out: Path) -> Path:
+    """`out`, resolved, when importing into it (and replacing it, with `--force`) cannot
+    delete what must stay: the GGUF file itself, the current folder or one above it, or a
+    file of that name."""
+    target, source, here = out.resolve(), file.resolve(), Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise GGUFImportError(f"--out {out} is the current folder or one above it: replacing "
+                              "it would delete what it holds; choose a folder of its own")
+    if target == source or target in source.parents:
+        raise GGUFImportError(f"--out {out} holds the GGUF file {file}: replacing it would "
+                              "delete the file; choose another --out")
+    if target.exists() and not target.is_dir():
+        raise GGUFImportError(f"--out {out} is a file, not a folder: choose another --out")
+    return target
+
+
+def _refuse_unsupported(file: Path) -> None:
+    """GGUFImportError for what transformers' GGUF loader drops without a word, which would
+    give a folder whose model computes other logits than the file's: RoPE scaling (linear,
+    YaRN) and per-frequency RoPE factors (`rope_freqs.weight`, as Llama 3.1 files carry)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(file))
+    except (ValueError, OSError, struct.error) as exc:
+        raise GGUFImportError(f"cannot read {file} as GGUF: {exc}") from exc
+
+    def text(name: str) -> str | None:
+        field = reader.fields.get(name)
+        if field is None or not field.data:
+            return None
+        value = field.parts[field.data[0]]
+        return bytes(value).decode(errors="replace") if value.dtype.kind == "u" else \
+            str(value[0])
+
+    arch = text("general.architecture") or "llama"
+    scaling = text(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "", "none"):
+        raise GGUFImportError(
+            f"{file} scales its rotary positions ({arch}.rope.scaling.type = {scaling}), which "
+            "transformers' GGUF reader drops: the folder would compute other logits than the "
+            "file past the first position; not imported (convert from the original "
+            "checkpoint instead)")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise GGUFImportError(
+            f"{file} carries per-frequency rotary factors (rope_freqs.weight, as Llama 3.1 "
+            "files do), which transformers' GGUF reader drops: the folder would compute other "
+            "logits than the file; not imported (convert from the original checkpoint "
+            "instead)")
+
+
 def _require_packages() -> None:
     missing = []
     for name in ("gguf", "accelerate"):
@@ -94,7 +145,7 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32",
     if dtype not in DTYPES:
         raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     file = check_gguf_file(file)
-    out = Path(out)
+    out = _output_folder(file, Path(out))
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not force:
         raise GGUFImportError(f"{out} already exists and is not empty: choose another --out "
                               "or pass --force to replace it")
@@ -102,6 +153,7 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32",
 
     quiet_libraries()  # before tqdm is first imported: it reads its switches then
     _require_packages()
+    _refuse_unsupported(file)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
