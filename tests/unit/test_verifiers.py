@@ -160,5 +160,14 @@ def test_the_stated_answer_is_the_number_not_a_remark_after_it():
         assert math_final_answer(response, answer) == 1.0, response
     # a text reference still takes the last stated answer, as written
     assert math_final_answer("The answer is 5.\nNo: the answer is x + 1", "x+1") == 1.0
-    # a later answer that is a word, not a remark, is the answer: a retraction counts
-    assert math_final_answer("The answer is 12.\nNo, the answer is thirteen.", "12") == 0.0
+    assert math_final_answer("The answer is dbga.\nThe answer is consistent.", "dbga") == 1.0
+    # a numeric reference takes the last stated number: what follows without one (a check,
+    # a unit, a word) does not replace it, nor do asides and hedges around it
+    for response in ("The answer is 12.\nLet me verify: the answer is indeed 12.",
+                     "The answer is 12.\nThe answer is in dollars.",
+                     "Final answer: 12\nThe answer is consistent.",
+                     "The answer is 12.\nHence the answer is twelve dollars, i.e. 12.",
+                     "The answer is 12 (= 3 + 9).",
+                     "Final Answer: The final answer is $12$. I hope it is correct."):
+        assert math_final_answer(response, "12") == 1.0, response
+    assert math_final_answer("The answer is 12.\nThe answer is not 13.", "13") == 0.0

@@ -35,7 +35,9 @@ _EXPONENT = re.compile(r"[eE][-+]?(\d+)")
 MAX_EXPONENT = 1000
 """Largest power of ten a number may be written with (`1e1000`) to count as one."""
 _BOXED = "\\boxed{"
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"(?=answer\s*(?:is|:)\s*:?\s*([^\n]+))", re.IGNORECASE)
+"""Every "answer is ..." or "answer: ...", to the end of its line, nested ones too ("Final
+Answer: The final answer is $42$.")."""
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 # Markdown emphasis and code marks, and LaTeX inline-math delimiters, that chat models wrap
@@ -47,9 +49,15 @@ _WORD_EDGE = " \t.,;:!?\"'()[]{}"
 _CLAUSE_END = re.compile(r"\.\s|,\s|;\s|\s(?:because|since|as)\s", re.IGNORECASE)
 """Where the clause that states an answer ends."""
 _REMARK = re.compile(r"(?:correct|right|wrong|incorrect|above|below|as follows|confirmed|"
-                     r"verified|clear|obvious)\b", re.IGNORECASE)
+                     r"verified|clear|obvious|consistent|plausible|valid|sound|accurate|"
+                     r"reasonable)\b", re.IGNORECASE)
 """What "the answer is ..." says of an answer rather than stating one ("the answer is
 correct"): passed over for the answer stated before it."""
+_HEDGE = re.compile(r"^(?:(?:indeed|still|actually|definitely|clearly|exactly|approximately|"
+                    r"about|roughly|therefore|thus|simply|just|then|now)\s+)+", re.IGNORECASE)
+"""Words before a stated number that leave it the answer ("the answer is indeed 12")."""
+_PARENS = re.compile(r"\([^()]*\)")
+"""A parenthesised aside ("7 (= 3+4)")."""
 
 
 class VerifierError(ValueError):
@@ -104,11 +112,15 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """The answer an "answer is ..." clause states: its first clause (up to ". ", ", ", "; "
-    or "because"), after the last "=" in it, the number there if it starts with one ("42
-    apples" -> "42", "5+38 = 43." -> "43", "3 \\times 4 = 12" -> "12", "5 because 2+2=4"
-    -> "5"), else that text ("x + 1, clearly" -> "x + 1")."""
-    clause = _CLAUSE_END.split(text, maxsplit=1)[0]
+    """The answer an "answer is ..." clause states, from its first clause (up to ". ", ", ",
+    "; " or "because"), without parenthesised asides or a leading "indeed", "still" and the
+    like: the number it starts with unless an "=" follows ("42 apples" -> "42", "7 (= 3+4)"
+    -> "7", "indeed 12." -> "12"), else the number after its last "=" ("5+38 = 43." -> "43",
+    "3 \\times 4 = 12" -> "12"), else that text ("x + 1, clearly" -> "x + 1")."""
+    clause = _PARENS.sub("", _CLAUSE_END.split(text, maxsplit=1)[0])
+    lead = _HEDGE.sub("", clause.strip().lstrip("$"))
+    if (number := _NUMBER.match(lead)) and "=" not in lead[number.end():]:
+        return number.group(0)
     tail = clause.rsplit("=", 1)[-1]
     if number := _NUMBER.match(tail.strip().lstrip("$")):
         return number.group(0)
@@ -130,19 +142,23 @@ def _bold_number(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str) -> str | None:
+def final_answer(response: str, number: bool = False) -> str | None:
     """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
     then the last emphasised number ("**42**"), then the last number. Markdown emphasis
     and LaTeX inline delimiters around an answer are ignored, and so is an "answer is" that
     remarks on the answer instead of stating one ("the answer is 7. Check: the answer is
-    correct." -> "7")."""
+    correct." -> "7"). With `number` (the reference is a number), the last stated answer
+    that is one: a later statement without a number ("the answer is in dollars") does not
+    replace it."""
     if (boxed := last_boxed(response)) is not None:
         return boxed
     plain = strip_markup(response)
     for pattern in (_ANSWER_IS, _HASHES):
-        stated = [text for text in pattern.findall(plain) if not _REMARK.match(text.strip())]
-        if stated:
-            return _leading_answer(stated[-1])
+        stated = [_leading_answer(text) for text in pattern.findall(plain)
+                  if not _REMARK.match(text.strip())]
+        numbers = [text for text in stated if parse_number(text) is not None] if number else []
+        if numbers or stated:
+            return (numbers or stated)[-1]
     if (bold := _bold_number(response)) is not None:
         return bold
     found = _NUMBER.findall(plain)
@@ -195,7 +211,7 @@ def math_final_answer(response: str, answer: str) -> float:
     words as many as the reference has.
     """
     expected = parse_number(answer)
-    stated = final_answer(response)
+    stated = final_answer(response, number=expected is not None)
     if stated is not None:
         got = parse_number(stated)
         if got is not None and expected is not None:
