@@ -188,11 +188,23 @@ def test_the_chosen_version_is_registered_and_compared_on_its_confirming_evaluat
     # on confirmed figures, 0.76 confirmed takes the place
     second = promote("run-k2", {0: 0.1, 5: 0.78}, (5, 0.76, "s" * 16))
     assert second["champion"] and second["value"] == 0.76
+    assert c.get_model_version("promo-confirm", second["model_version"]).tags[
+        "shardrl.eval_figure"] == "confirmed"
     # a confirmation of another version, or of another setup, is passed over
     other = promote("run-k3", {0: 0.1, 5: 0.70, 10: 0.72}, (5, 0.99, "s" * 16))
     assert other["value"] == 0.72 and "selected_value" not in other
     another = promote("run-k4", {0: 0.1, 5: 0.70}, (5, 0.99, "t" * 16))
     assert another["value"] == 0.70 and "selected_value" not in another
+    # an unconfirmed figure (best of several) meets the champion's best of several, not its
+    # confirmed one: 0.77 against 0.78 stays challenger, though above the confirmed 0.76
+    unconfirmed = promote("run-k5", {0: 0.1, 5: 0.77}, None)
+    assert not unconfirmed["champion"]
+    assert c.get_model_version("promo-confirm", unconfirmed["model_version"]).tags[
+        "shardrl.eval_figure"] == "selected"
+    assert promote("run-k6", {0: 0.1, 5: 0.79}, None)["champion"]
+    # and a confirmed challenger meets an unconfirmed champion on its selection figure
+    assert not promote("run-k7", {0: 0.1, 5: 0.785}, (5, 0.90, "s" * 16))["champion"]
+    assert promote("run-k8", {0: 0.1, 5: 0.80}, (5, 0.60, "s" * 16))["champion"]
 
 
 def _client(tmp: Path):

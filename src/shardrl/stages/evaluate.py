@@ -32,9 +32,10 @@ if TYPE_CHECKING:
     from .engine import PolicyEngine
 
 EVAL_SEED = 12_345
-CONFIRM_SEED = EVAL_SEED + 1
+CONFIRM_SEED = EVAL_SEED + 2**30
 """Sampling seed of the confirming evaluation: draws independent of the ones the choice
-was made on."""
+was made on. Far from `EVAL_SEED`: an engine that seeds sample j of prompt i with
+`seed + i * n + j` (vLLM) would otherwise repeat most of those draws."""
 NOT_FIGURES = ("seconds", "temperature", "published", "evaluated")
 """A summary's numbers that are not the evaluation's figures: its timing and settings."""
 
@@ -102,7 +103,9 @@ class Schedule:
             self.next = next_wanted(self.next, self.every, self.total)
 
 
-def main(ctx: StageContext) -> int:
+def main(ctx: StageContext, confirm: bool = True) -> int:
+    """The evaluate stage; `confirm`: end with `confirm_choice` (replay, whose runs are not
+    promoted, passes False)."""
     from ..tasks.source import make_task
     from .engine import PolicyEngine
     from .policy import MANIFEST
@@ -139,7 +142,8 @@ def main(ctx: StageContext) -> int:
             schedule.advance()
             continue
         if finished and latest >= schedule.total:
-            confirm_choice(ctx, engine, task)
+            if confirm:
+                confirm_choice(ctx, engine, task)
             return 0
         if ctx.once:
             return 0

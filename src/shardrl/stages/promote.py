@@ -20,6 +20,10 @@ from .policy import WEIGHTS, download_folder, fetch_weights
 SETUP_TAG = "shardrl.eval_setup"
 """A registered version's evaluation setup (`evaluate.eval_setup`): what its metric was
 measured on, besides the policy."""
+FIGURE_TAG = "shardrl.eval_figure"
+"""How a registered version's `eval.<metric>` was had: `confirmed` (a confirming evaluation of
+the chosen version, its selection figure in `eval.selected.<metric>`) or `selected` (the best
+of the run's evaluations; a version without the tag too)."""
 
 
 def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
@@ -54,7 +58,7 @@ def main(ctx: StageContext) -> int:
     metric = float(summary[cfg.promote.metric])
     result["value"] = metric
     if cfg.tracking.enabled:
-        result.update(register(ctx, version, metric, summary))
+        result.update(register(ctx, version, metric, summary, result.get("selected_value")))
     ctx.store.put_json(ctx.keys.state("promote", "result.json"), result)
     ctx.log.info("promote: %s", result)
     return 0
@@ -85,13 +89,18 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
     return folder
 
 
-def register(ctx: StageContext, version: int, metric: float, summary: dict) -> dict:
+def register(ctx: StageContext, version: int, metric: float, summary: dict,
+             selected: float | None = None) -> dict:
     """Register policy `version` (once per run and version: a retry reuses the version an
     earlier attempt registered) and move the aliases: `challenger` to it unless a later
     registration holds it already, `champion` when it beats the champion's metric measured
-    the same way (the same held-out items, sampling and scoring: `SETUP_TAG`)."""
+    the same way (the same held-out items, sampling and scoring: `SETUP_TAG`). `selected`:
+    the selection figure when `metric` is a confirming evaluation's. Two confirmed figures
+    compare; otherwise both sides' selection figures do (`FIGURE_TAG`), so a best-of-N
+    figure never meets a confirmed one."""
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
+    key = f"eval.{cfg.promote.metric}"
     c = client(cfg)
     run = find_or_create_run(cfg, ctx.run_id, c)
     if _found(lambda: c.get_registered_model(name)) is None:
@@ -102,6 +111,9 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                 "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
         tags.update({f"eval.{k}": str(v) for k, v in summary.items()
                      if isinstance(v, float) and k not in NOT_FIGURES})
+        tags[FIGURE_TAG] = "selected" if selected is None else "confirmed"
+        if selected is not None:
+            tags[f"eval.selected.{cfg.promote.metric}"] = str(selected)
         if summary.get("setup"):
             tags[SETUP_TAG] = summary["setup"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +133,15 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                      name, challenger.version)
     champion = _alias(c, name, "champion")
     promoted, kept = False, None
-    held = None if champion is None else _number(champion.tags.get(f"eval.{cfg.promote.metric}"))
+    held, mine = None, metric
+    if champion is not None:
+        confirmed = champion.tags.get(FIGURE_TAG) == "confirmed"
+        if confirmed and selected is not None:  # both measured again on fresh samples
+            held = _number(champion.tags.get(key))
+        else:  # both sides' best-of-N figures
+            held = _number(champion.tags.get(f"eval.selected.{cfg.promote.metric}"
+                                             if confirmed else key))
+            mine = metric if selected is None else selected
     # a champion registered before setups were recorded compares on its metric alone
     theirs = None if champion is None else champion.tags.get(SETUP_TAG)
     ours = summary.get("setup")
@@ -143,7 +163,7 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict) -> d
                 f"this run's; it stays champion. Give each task its own promote.model_name, "
                 f"or move the alias by hand")
         ctx.log.warning("promote: %s", kept)
-    elif champion is None or metric > held + margin:
+    elif champion is None or mine > held + margin:
         if champion is not None:
             c.set_registered_model_alias(name, "previous-champion", champion.version)
         c.set_registered_model_alias(name, "champion", mv.version)

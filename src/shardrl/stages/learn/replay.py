@@ -246,7 +246,7 @@ class Replay:
         ctx.metrics = MetricsSink(self.store, self.dst, "evaluate", 0)
         torch.set_num_threads(self.cfg.eval.threads)
         try:
-            evaluate.main(ctx)
+            evaluate.main(ctx, confirm=False)  # a replayed run is compared, not promoted
         finally:
             ctx.metrics.flush()
             ctx.close()
