@@ -18,6 +18,8 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    HF_HUB_DISABLE_TELEMETRY=1 \
     DS_BUILD_OPS=0 \
     HOME=/home/shardrl
 RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl \

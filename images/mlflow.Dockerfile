@@ -10,6 +10,8 @@ ARG MLFLOW_VERSION=3.17.2
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    HF_HUB_DISABLE_TELEMETRY=1 \
     HOME=/home/mlflow
 RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin mlflow
 RUN pip install --no-cache-dir "mlflow[auth]==${MLFLOW_VERSION}" "boto3==1.44.5" "psycopg2-binary==2.9.13"

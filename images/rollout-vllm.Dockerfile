@@ -17,6 +17,8 @@ FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    HF_HUB_DISABLE_TELEMETRY=1 \
     HOME=/home/shardrl
 RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin shardrl \
     && install -d -o 1000 -g 1000 /home/shardrl/.cache /home/shardrl/.cache/shardrl

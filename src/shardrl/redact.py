@@ -15,13 +15,12 @@ import traceback
 
 _USERINFO = re.compile(
     r"(?<![A-Za-z0-9+.-])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)"
-    r"(?:[^\s/?#@:]*:[^\s\"'<>,]{0,1024}|[^/\s]*)@")
+    r"(?:[^\s/?#@:]*:[^\s\"'<>,]{0,1024}|[^/\s]*|[^\s/?#@:]*:\S{0,1024})@")
 """A URL's `user:password@`: after a user and a colon, up to the last `@` of the address (a
 password may hold `@` and `/`, as database drivers read `postgresql://u:ab/cd@db/x`), else a
 user alone up to the last `@` before the path. An address whose path holds an `@` after a
-port (`http://host:8080/a@b`) is masked too: the safe way to be wrong. The address ends at a
-quote, a comma or 1,024 characters, so the search stays linear on long log lines and does not
-run into the next field (`"uri":"http://h:1/","owner":"ops@corp"`)."""
+port (`http://host:8080/a@b`, `"uri":"http://h:1/","owner":"ops@corp"`) is masked too: the
+safe way to be wrong. Within 1,024 characters, so the search stays linear on long log lines."""
 _SECRET_QUERY = re.compile(
     r"(?i)(?P<name>[?&](?:access_token|token|password|passwd|secret|api_key|apikey|key|sig|"
     r"signature|x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&\s#]+")

@@ -10,7 +10,7 @@ import pytest
 
 from shardrl.config import RunConfig
 from shardrl.doctor.series import ChunkReader
-from shardrl.orchestrate.forward import Forwarder, metric_writers, settle_lags
+from shardrl.orchestrate.forward import Forwarder, SendFailed, metric_writers, settle_lags
 from shardrl.store import LocalStore, RunKeys, write_shard
 from shardrl.store.schemas import METRICS
 
@@ -175,7 +175,7 @@ def test_points_whose_sending_failed_go_with_the_next_forward(tmp_path):
 
     f = Forwarder(store, KEYS, {"learn": 1}, send)
     log(store, "learn", 0, [("learn/loss", 1, 0.3), ("learn/loss", 2, 0.2)])
-    with pytest.raises(ConnectionError):
+    with pytest.raises(SendFailed, match="ConnectionError: MLflow is down"):
         f.forward()
     again = Forwarder(store, KEYS, {"learn": 1}, sent)  # a runner started over meanwhile
     again.forward(final=True)
@@ -198,9 +198,14 @@ def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
     seen = []
 
     class Failing:
+        unsent = []
+
         def forward(self, final=False):
             seen.append(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES"))
-            raise ConnectionError("http://u:secret@mlflow:5000 refused")
+            try:
+                raise ConnectionError("http://u:secret@mlflow:5000 refused")
+            except ConnectionError as exc:
+                raise SendFailed(str(exc)) from exc
 
     m = Monitor.__new__(Monitor)
     m.mlflow, m.forwarder, m.forward_after, m.forward_failing = "run", Failing(), 0.0, False
@@ -218,3 +223,25 @@ def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
     m.forwarder = type("Up", (), {"forward": lambda self, final=False: 0})()
     m._forward()
     assert "MLflow takes the run's metrics again" in capsys.readouterr().err
+
+    # points MLflow refuses (a bad value) are not sent again and again, blocking the rest
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    class Refusing:
+        unsent = [("learn/loss", 1, float("nan"), 0.0)]
+
+        def forward(self, final=False):
+            try:
+                raise MlflowException("bad value", error_code=INVALID_PARAMETER_VALUE)
+            except MlflowException as exc:
+                raise SendFailed(str(exc)) from exc
+
+    m.forwarder = Refusing()
+    m._forward()
+    assert m.forwarder.unsent == []
+    assert "MLflow refused 1 metric points" in capsys.readouterr().err
+    # anything else than MLflow failing is the run's own error, not hidden
+    m.forwarder = type("Broken", (), {"forward": lambda self, final=False: 1 / 0})()
+    with pytest.raises(ZeroDivisionError):
+        m._forward()

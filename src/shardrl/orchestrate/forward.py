@@ -137,6 +137,11 @@ class Settled:
         return out
 
 
+class SendFailed(Exception):
+    """Sending points to MLflow failed (its `__cause__` says how); they go again with the
+    next `forward` unless `drop_unsent`."""
+
+
 class Forwarder:
     """Sends a run's metric chunks to `send` (MLflow's `log_batch` in batches), reduced per
     step, keeping its place in `state/runner/forwarded.json`."""
@@ -174,9 +179,9 @@ class Forwarder:
         if points:
             try:
                 self.send(points)
-            except Exception:
+            except Exception as exc:
                 self.unsent = points
-                raise
+                raise SendFailed(f"{type(exc).__name__}: {exc}") from exc
         if self._take() or points:
             self.store.put_json(self.key, {"marks": self.tail.marks, "read": self.read,
                                            "released": self.settled.released})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", help="report: path of the Metrics artifact")
     parser.add_argument("--html", help="report: path of the HTML artifact")
     args = parser.parse_args(argv)
+    from ..quiet import QUIET_LIBRARIES_ENV
+
+    for name, value in QUIET_LIBRARIES_ENV.items():  # as `shardrl` itself: no usage reports
+        os.environ.setdefault(name, value)
     view = open_view(args.config, args.run_id, args.store)
     if args.task == "monitor":
         return follow(view)

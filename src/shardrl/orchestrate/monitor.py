@@ -19,7 +19,15 @@ from ..stages.evaluate import latest_evaluated, summaries
 from ..store.records import Done, Progress
 from ..tracking.mlflow_run import log_points, open_run, redacted, tracking_uri
 from .accounting import account
-from .forward import Forwarder, metric_writers, settle_lags
+from .forward import Forwarder, SendFailed, metric_writers, settle_lags
+
+
+def refused(exc: BaseException | None) -> bool:
+    """Whether MLflow refused a request for what it holds (a bad value), which no retry
+    changes, rather than failing to answer."""
+    code = getattr(exc, "error_code", None)
+    return code in ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS")
+
 
 RETRY_S = 30.0
 """Seconds between a tick's tries to forward metrics while MLflow fails to answer."""
@@ -27,8 +35,8 @@ RETRY_S = 30.0
 
 @contextlib.contextmanager
 def brief_requests() -> Iterator[None]:
-    """MLflow's HTTP requests made inside: one retry and a 10 s timeout instead of its
-    default minutes. Set in the runner's own environment for the call only: the stages it
+    """MLflow's HTTP requests made inside: no retry and a 5 s timeout instead of its default
+    minutes. Set in the runner's own environment for the call only: the stages it
     forks later (promote) keep MLflow's patient defaults."""
     saved = {k: os.environ.get(k) for k in BRIEF}
     os.environ.update(BRIEF)
@@ -42,7 +50,7 @@ def brief_requests() -> Iterator[None]:
                 os.environ[k] = v
 
 
-BRIEF = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+BRIEF = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 class Monitor:
@@ -123,9 +131,14 @@ class Monitor:
         try:
             with contextlib.nullcontext() if patient else brief_requests():
                 self.forwarder.forward(final)
-        except Exception as exc:  # noqa: BLE001 - any failure of the side channel
+        except SendFailed as exc:  # MLflow's failure alone: the store's are the run's
             self.forward_after = time.monotonic() + RETRY_S
-            if not self.forward_failing:
+            if refused(exc.__cause__):  # sent again, it would be refused again, for ever
+                print(f"MLflow refused {len(self.forwarder.unsent)} metric points "
+                      f"({redacted(str(exc))[:300]}): they stay in the store only",
+                      file=sys.stderr, flush=True)
+                self.forwarder.unsent = []
+            elif not self.forward_failing:
                 print(f"MLflow did not take the run's metrics ({redacted(str(exc))[:300]}): "
                       f"they stay in the store; trying again every {RETRY_S:.0f} s, and a "
                       "resumed run sends what is left", file=sys.stderr, flush=True)
@@ -186,7 +199,10 @@ class Monitor:
             ui = Path(sys.executable).parent / "mlflow"  # the environment's own, any folder
             print(f"                  open the UI: {ui} ui --backend-store-uri {uri}")
         print(f"logs              {lr.log_dir}")
-        if self.mlflow is not None:
+        if self.forward_failing:  # the final forward too: MLflow lacks some of the metrics
+            print("MLflow lacks some of the run's metrics (above): they are in the store, "
+                  "and resuming the run sends them", file=sys.stderr, flush=True)
+        if self.mlflow is not None and not self.forward_failing:
             summary = {f"summary/{k}": float(v) for k, v in acc.as_dict().items()
                        if isinstance(v, int | float)}
             if first and last:
@@ -198,5 +214,5 @@ class Monitor:
         store.put_json(keys.state("runner", "summary.json"), {
             "accounting": acc.as_dict(), "evals": {str(k): v for k, v in evals.items()},
             "promote": promo, "done": done.model_dump(mode="json")})
-        return 0 if acc.balanced else 3
+        return 3 if not acc.balanced else 1 if self.forward_failing else 0
 
