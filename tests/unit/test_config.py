@@ -350,3 +350,21 @@ def test_compiling_with_a_bad_config_or_tag_is_one_message(tmp_path, capsys):
                      str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err == ("shardrl pipeline: image tag 'latest' is not reproducible: "
                                        "use the package version\n")
+
+
+def test_a_dataset_prompt_template_holds_prompt_alone():
+    """A stray brace used to fail every stage with a KeyError; a template without {prompt}
+    made every prompt the same string."""
+    from shardrl.config import RunConfig
+
+    def check(template):
+        return RunConfig.model_validate({"task": {"source": {
+            "kind": "dataset", "train_path": "a.jsonl", "eval_path": "b.jsonl",
+            "prompt_template": template}}})
+
+    assert check('Reply as {{"answer": N}}. {prompt}').task.source.prompt_template
+    for template, said in (('Reply as {"answer": N}. {prompt}', "write literal braces as"),
+                           ("Solve the sum.", "must hold {prompt}"),
+                           ("Q: {prompt", "is not a format string")):
+        with pytest.raises(ValueError, match=said):
+            check(template)

@@ -88,3 +88,53 @@ def test_parquet_without_answer_column_and_unknown_format(tmp_path):
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(DatasetError, match="unknown format '.csv'"):
         load_items(tmp_path / "d.csv")
+
+
+def test_a_row_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl: row 2: not UTF-8 \(byte 0xe9 at column "
+                       r"16\)"):
+        load_items(path)
+
+
+def test_a_prompt_given_twice_with_two_answers_is_a_bad_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, [{"prompt": "a", "answer": "1", "prompt_id": "p1"},
+                       {"prompt": "a", "answer": "2", "prompt_id": "p2"},
+                       {"prompt": "a", "answer": "1", "prompt_id": "p3"}])
+    with pytest.raises(DatasetError, match=r"row 2: the prompt of row 1 again, with another "
+                       r"answer \('2', not '1'\)"):
+        load_items(path)
+
+
+def test_parquet_reads_the_columns_a_task_uses_only(tmp_path):
+    """A column the task does not use (here of a type no row could hold) is not read."""
+    table = pa.table({"prompt": ["a", "b"], "answer": ["1", "2"],
+                      "notes": pa.array([{"x": [1.0]}, {"x": [2.0]}])})
+    pq.write_table(table, tmp_path / "d.parquet")
+    items = load_items(tmp_path / "d.parquet")
+    assert [(it.prompt, it.answer) for it in items] == [("a", "1"), ("b", "2")]
+
+
+def test_held_out_prompts_are_left_out_of_training_and_every_character_is_known(tmp_path,
+                                                                                 caplog):
+    """A prompt in both files would be trained on and make the held-out pass rate read high;
+    a character only the held-out set uses would be unknown to the tiny tokenizer."""
+    from shardrl.config import RunConfig
+    from shardrl.tasks.source import _make_task as make_task  # not the cached one
+
+    train, heldout = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    write_jsonl(train, [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)])
+    write_jsonl(heldout, [{"prompt": "3+1=", "answer": "4"}, {"prompt": "0-5=", "answer": "-5"}])
+    cfg = RunConfig.model_validate({"task": {"source": {
+        "kind": "dataset", "train_path": str(train), "eval_path": str(heldout)}}})
+    task = make_task(cfg)
+    trained = {it.prompt for it in task.validation} | {
+        it.prompt for seq in range(20) for it in task.train_items(0, seq, 4)}
+    assert "3+1=" not in trained and len(trained) == 29
+    assert "1 training row(s) of" in caplog.text and "'3+1='" in caplog.text
+    assert "-" in "".join(task.corpus)
+    write_jsonl(train, [{"prompt": "3+1=", "answer": "4"}, {"prompt": "4+1=", "answer": "5"}])
+    with pytest.raises(DatasetError, match="1 training row"):
+        make_task(cfg)

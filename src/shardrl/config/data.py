@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import difflib
 import re
+import string
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 
@@ -52,7 +53,26 @@ class DatasetTask(Section):
     eval_path: str = Field(min_length=1)
     """Held-out prompts for evaluation."""
     prompt_template: str = "{prompt}"
-    """Python format string applied to each prompt; `{prompt}` is replaced by the row's prompt."""
+    """Python format string applied to each prompt; `{prompt}` is replaced by the row's prompt
+    (literal braces doubled: `{{` and `}}`)."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _one_prompt_field(cls, template: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(template)
+                      if name is not None}
+        except ValueError as exc:
+            raise ValueError(f"is not a format string ({exc}); write literal braces as "
+                             "{{ and }}") from None
+        if fields != {"prompt"}:
+            other = sorted(fields - {"prompt"})
+            raise ValueError(
+                "must hold {prompt}, where each row's prompt goes" if not fields or
+                "prompt" not in fields else
+                f"holds other fields than {{prompt}} ({', '.join(repr(f) for f in other)}): "
+                "write literal braces as {{ and }}")
+        return template
 
 
 TaskSource = Annotated[BuiltinTask | DatasetTask, Field(discriminator="kind")]

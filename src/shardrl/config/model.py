@@ -63,7 +63,9 @@ class SFTConfig(Section):
     patience: int = Field(5, ge=1, le=1000)
     """Stop after this many epochs without improvement of the validation loss (the plateau)."""
     validation_fraction: float = Field(0.1, gt=0.0, lt=0.5)
-    """Share of the demonstrations held back to detect the plateau (never the held-out eval set)."""
+    """Not used: the plateau is detected on the task's validation split, which is disjoint
+    from the demonstrations and the held-out set (a built-in task's own; a dataset's first
+    tenth of its training rows, up to 256). Kept so that configs and runs that name it load."""
 
 
 class ModelConfig(Section):

@@ -55,8 +55,8 @@ def main(ctx: StageContext) -> int:
                                    encode=encode_episodes)
             else:
                 pairs = task.demonstrations(sft.demonstrations)
-                n_val = max(1, int(len(pairs) * sft.validation_fraction))
-                val = [(it.prompt, it.answer) for it in task.validation] or pairs[:n_val]
+                # the task's validation split: disjoint from the demonstrations and held-out
+                val = [(it.prompt, it.answer) for it in task.validation]
                 result = train_sft(model, tokenizer, pairs, val, sft, cfg.seed, prompt_format)
             sft_info = dataclasses.asdict(result) | {"demonstrations": len(pairs)}
             ctx.log.info("sft done: %s", sft_info)

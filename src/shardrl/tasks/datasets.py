@@ -19,6 +19,8 @@ from typing import Any
 from shardrl.tasks.builtin import TaskItem
 
 DEFAULT_CATEGORY = "default"
+COLUMNS = ("prompt", "answer", "category", "prompt_id")
+"""The columns a dataset row may give; others are ignored."""
 MAX_REPORTED_ERRORS = 20
 
 
@@ -70,8 +72,14 @@ def row_to_item(row: Any) -> tuple[TaskItem | None, list[str]]:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed row or None, parse problem) per non-blank line."""
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield number, None, (f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                     f"{exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
@@ -84,15 +92,20 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        names = pq.read_schema(path).names
+        for column in ("prompt", "answer"):
+            if column not in names:
+                raise DatasetError(
+                    f"{path}: no column '{column}' (columns: {', '.join(names)}); "
+                    "a dataset needs 'prompt' and 'answer'"
+                )
+        # the columns a task uses, not the others a file may carry (a large one would be
+        # read by every process that builds the task)
+        table = pq.read_table(path, columns=[c for c in COLUMNS if c in names])
+    except DatasetError:
+        raise
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DatasetError(f"{path}: cannot read Parquet: {exc}") from exc
-    for column in ("prompt", "answer"):
-        if column not in table.column_names:
-            raise DatasetError(
-                f"{path}: no column '{column}' (columns: {', '.join(table.column_names)}); "
-                "a dataset needs 'prompt' and 'answer'"
-            )
     for number, row in enumerate(table.to_pylist(), start=1):
         yield number, row, None
 
@@ -114,6 +127,7 @@ def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> li
 
     items: list[TaskItem] = []
     first_row: dict[str, int] = {}
+    answered: dict[str, tuple[str, int]] = {}
     errors: list[str] = []
     for number, row, problem in rows:
         item, problems = (None, [problem]) if problem else row_to_item(row)
@@ -121,6 +135,11 @@ def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> li
             problems = [
                 f"duplicate prompt_id {item.prompt_id!r} (first at row {first_row[item.prompt_id]})"
             ]
+        elif item is not None and (seen := answered.get(item.prompt)) and seen[0] != item.answer:
+            problems = [f"the prompt of row {seen[1]} again, with another answer "
+                        f"({item.answer!r}, not {seen[0]!r})"]
+        elif item is not None:
+            answered.setdefault(item.prompt, (item.answer, number))
         if problems:
             errors.extend(f"{source}: row {number}: {p}" for p in problems)
             continue

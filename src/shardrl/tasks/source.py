@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -126,15 +127,28 @@ def _episodic(cfg: RunConfig, source: BuiltinTaskConfig) -> TaskData:
 
 
 def _dataset(cfg: RunConfig) -> TaskData:
-    from .datasets import load_items
+    from .datasets import DatasetError, load_items
 
     source = cfg.task.source
     train = [_templated(it, source.prompt_template) for it in load_items(source.train_path)]
     heldout = [_templated(it, source.prompt_template) for it in load_items(source.eval_path)]
     if not train or not heldout:
         raise ValueError("task dataset: both train_path and eval_path need at least one row")
+    held = {it.prompt for it in heldout}
+    if leaked := [it for it in train if it.prompt in held]:
+        # trained on, they would make the held-out pass rate read high: the held-out set
+        # keeps them, as a built-in task's splits are disjoint by construction
+        shown = ", ".join(repr(it.prompt[:60]) for it in leaked[:3])
+        logging.getLogger("shardrl.task").warning(
+            "%d training row(s) of %s hold a prompt of the held-out set %s (e.g. %s): left "
+            "out of training", len(leaked), source.train_path, source.eval_path, shown)
+        train = [it for it in train if it.prompt not in held]
     n_val = min(VALIDATION_ITEMS, max(1, len(train) // 10))
-    validation, pool = train[:n_val], train[n_val:] or train
+    if len(train) <= n_val:
+        raise DatasetError(f"{source.train_path}: {len(train)} training row(s) (held-out "
+                           "prompts left out); at least 2 are needed, one held back to "
+                           "validate the SFT on")
+    validation, pool = train[:n_val], train[n_val:]
 
     def train_items(worker: int, seq: int, n: int) -> list[TaskItem]:
         start = _mix(cfg.seed, worker, seq) % len(pool)
@@ -145,7 +159,10 @@ def _dataset(cfg: RunConfig) -> TaskData:
 
     from .verifiers import exact_match
 
-    corpus = [it.prompt + it.answer for it in train[:10_000]]
+    # the tiny tokenizer learns from these: every character of every file, so that none of
+    # the held-out set is unknown to it (characters alone, no held-out pair to learn)
+    chars = {c for it in (*train, *heldout) for c in it.prompt + it.answer}
+    corpus = [it.prompt + it.answer for it in train[:10_000]] + ["".join(sorted(chars))]
     return TaskData(train_items, demonstrations, validation, heldout, exact_match, corpus)
 
 
