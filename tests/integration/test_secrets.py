@@ -163,8 +163,8 @@ def test_credentials_come_from_the_environment_only(tmp_path, monkeypatch):
 def test_credentials_written_into_a_url_reach_neither_params_nor_messages(monkeypatch):
     """A tracking URI such as https://user:token@host would have been logged as an MLflow
     param and printed; an S3 endpoint with user:password@ is refused without echoing it."""
-    from shardrl.store import PermanentStoreError
     from shardrl.redact import has_userinfo
+    from shardrl.store import PermanentStoreError
     from shardrl.tracking.mlflow_run import redacted
 
     assert redacted("https://ci-bot:s3cr3t@mlflow.example:5000/x") == \
