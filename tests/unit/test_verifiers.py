@@ -171,3 +171,27 @@ def test_the_stated_answer_is_the_number_not_a_remark_after_it():
                      "Final Answer: The final answer is $12$. I hope it is correct."):
         assert math_final_answer(response, "12") == 1.0, response
     assert math_final_answer("The answer is 12.\nThe answer is not 13.", "13") == 0.0
+    assert math_final_answer("The answer is in dollars.\n#### 72", "72") == 1.0
+
+
+def test_answers_in_parentheses_words_and_later_mentions_read_as_stated():
+    for response, answer in (("The answer is (7)", "7"), ("The answer is $(7)$", "7"),
+                             ("The answer is -(5)", "-5"), ("Answer: (C)", "(C)"),
+                             ("The answer is $(2,3)$.", "(2,3)"), ("The answer is f(x)", "f(x)"),
+                             ("The answer is 16 - 3 - 4 = 9 eggs (9 * $2 = $18)", "18"),
+                             ("The answer is 5 + 7 (= 12)", "12"),
+                             ("The answer is valid.", "valid"), ("The answer is sound.", "sound"),
+                             ("The answer is 3 because each answer is 1.", "3"),
+                             ("The answer is 12, while Tom's answer is 10.", "12"),
+                             ("The answer is dbga. To check the answer: d-b-g-a", "dbga")):
+        assert math_final_answer(response, answer) == 1.0, response
+    assert math_final_answer("The answer is 5 + 7 (= 12)", "5") == 0.0
+    assert math_final_answer("The answer is valid.", "invalid") == 0.0
+
+
+def test_a_long_repeated_statement_is_scored_in_linear_time():
+    import time
+
+    started = time.monotonic()
+    assert math_final_answer("the answer is " * 16_000, "1") == 0.0
+    assert time.monotonic() - started < 5  # a nested search took minutes

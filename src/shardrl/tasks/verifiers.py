@@ -35,9 +35,10 @@ _EXPONENT = re.compile(r"[eE][-+]?(\d+)")
 MAX_EXPONENT = 1000
 """Largest power of ten a number may be written with (`1e1000`) to count as one."""
 _BOXED = "\\boxed{"
-_ANSWER_IS = re.compile(r"(?=answer\s*(?:is|:)\s*:?\s*([^\n]+))", re.IGNORECASE)
-"""Every "answer is ..." or "answer: ...", to the end of its line, nested ones too ("Final
-Answer: The final answer is $42$.")."""
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+"""The first "answer is ..." or "answer: ..." of a line, to the line's end."""
+_LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+"""A statement that opens with another ("Final Answer: The final answer is $42$.")."""
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 # Markdown emphasis and code marks, and LaTeX inline-math delimiters, that chat models wrap
@@ -52,12 +53,12 @@ _REMARK = re.compile(r"(?:correct|right|wrong|incorrect|above|below|as follows|c
                      r"verified|clear|obvious|consistent|plausible|valid|sound|accurate|"
                      r"reasonable)\b", re.IGNORECASE)
 """What "the answer is ..." says of an answer rather than stating one ("the answer is
-correct"): passed over for the answer stated before it."""
+correct"): passed over for an answer stated before it, when there is one."""
 _HEDGE = re.compile(r"^(?:(?:indeed|still|actually|definitely|clearly|exactly|approximately|"
                     r"about|roughly|therefore|thus|simply|just|then|now)\s+)+", re.IGNORECASE)
 """Words before a stated number that leave it the answer ("the answer is indeed 12")."""
-_PARENS = re.compile(r"\([^()]*\)")
-"""A parenthesised aside ("7 (= 3+4)")."""
+_ASIDE = re.compile(r"\s*\([^()]*\)")
+"""A parenthesised aside after a number ("7 (= 3+4)")."""
 
 
 class VerifierError(ValueError):
@@ -112,15 +113,20 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """The answer an "answer is ..." clause states, from its first clause (up to ". ", ", ",
-    "; " or "because"), without parenthesised asides or a leading "indeed", "still" and the
-    like: the number it starts with unless an "=" follows ("42 apples" -> "42", "7 (= 3+4)"
-    -> "7", "indeed 12." -> "12"), else the number after its last "=" ("5+38 = 43." -> "43",
-    "3 \\times 4 = 12" -> "12"), else that text ("x + 1, clearly" -> "x + 1")."""
-    clause = _PARENS.sub("", _CLAUSE_END.split(text, maxsplit=1)[0])
+    """The answer an "answer is ..." statement states, from its first clause (up to ". ",
+    ", ", "; " or "because"), past a leading "indeed", "still" and the like: the number it
+    starts with unless an "=" follows, a parenthesised aside aside ("42 apples" -> "42",
+    "7 (= 3+4)" -> "7", "indeed 12." -> "12"), else the number after its last "=" ("5+38 =
+    43." -> "43", "3 \\times 4 = 12" -> "12"), else that text ("x + 1, clearly" -> "x + 1",
+    "(C)")."""
+    clause = _CLAUSE_END.split(_LEAD_IN.sub("", text.strip()), maxsplit=1)[0]
     lead = _HEDGE.sub("", clause.strip().lstrip("$"))
-    if (number := _NUMBER.match(lead)) and "=" not in lead[number.end():]:
-        return number.group(0)
+    if number := _NUMBER.match(lead):
+        rest = lead[number.end():]
+        if aside := _ASIDE.match(rest):
+            rest = rest[aside.end():]
+        if "=" not in rest:
+            return number.group(0)
     tail = clause.rsplit("=", 1)[-1]
     if number := _NUMBER.match(tail.strip().lstrip("$")):
         return number.group(0)
@@ -153,12 +159,18 @@ def final_answer(response: str, number: bool = False) -> str | None:
     if (boxed := last_boxed(response)) is not None:
         return boxed
     plain = strip_markup(response)
+    first = None  # the last statement of the first pattern that has any
     for pattern in (_ANSWER_IS, _HASHES):
-        stated = [_leading_answer(text) for text in pattern.findall(plain)
-                  if not _REMARK.match(text.strip())]
-        numbers = [text for text in stated if parse_number(text) is not None] if number else []
-        if numbers or stated:
-            return (numbers or stated)[-1]
+        found = pattern.findall(plain)
+        kept = [text for text in found if not _REMARK.match(text.strip())] or found
+        stated = [_leading_answer(text) for text in kept]
+        if number and (numbers := [t for t in stated if parse_number(t) is not None]):
+            return numbers[-1]
+        if stated and not number:
+            return stated[-1]
+        first = first or (stated[-1] if stated else None)
+    if first is not None:
+        return first
     if (bold := _bold_number(response)) is not None:
         return bold
     found = _NUMBER.findall(plain)
