@@ -240,7 +240,12 @@ def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
     m.forwarder = Refusing()
     m._forward()
     assert m.forwarder.unsent == []
-    assert "MLflow refused 1 metric points" in capsys.readouterr().err
+    assert "MLflow refused a batch of the run's metric points" in capsys.readouterr().err
+    assert not m.forward_failing  # it answers: nothing to try again
+    from shardrl.tracking.mlflow_run import metric_name
+
+    assert metric_name("evaluate/pass_at_1/Counting & Probability") == \
+        "evaluate/pass_at_1/Counting _ Probability"
     # anything else than MLflow failing is the run's own error, not hidden
     m.forwarder = type("Broken", (), {"forward": lambda self, final=False: 1 / 0})()
     with pytest.raises(ZeroDivisionError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -119,11 +120,21 @@ def flatten(data: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+_NOT_IN_NAMES = re.compile(r"[^\w\-. :/]")
+
+
+def metric_name(name: str) -> str:
+    """`name` as MLflow takes it: characters other than letters, digits, `_ - . : /` and spaces
+    become `_` (a dataset's category, "Counting & Probability", is part of a name; MLflow
+    refuses the whole batch that holds one it does not take)."""
+    return _NOT_IN_NAMES.sub("_", name)
+
+
 def log_points(c, mlflow_run: str, points: list[tuple[str, int, float, float]]) -> None:
     """Log (name, step, value, time) points in batches, retrying a locked SQLite database."""
     from mlflow.entities import Metric
 
-    metrics = [Metric(n, v, int(t * 1000), s) for n, s, v, t in points]
+    metrics = [Metric(metric_name(n), v, int(t * 1000), s) for n, s, v, t in points]
     for i in range(0, len(metrics), 500):
         for attempt in range(10):
             try:
