@@ -138,3 +138,14 @@ def test_held_out_prompts_are_left_out_of_training_and_every_character_is_known(
     write_jsonl(train, [{"prompt": "3+1=", "answer": "4"}, {"prompt": "4+1=", "answer": "5"}])
     with pytest.raises(DatasetError, match="1 training row"):
         make_task(cfg)
+
+
+def test_line_endings_of_any_kind_and_answers_equal_as_numbers_load(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\r{"prompt": "b", "answer": "2"}\r')
+    assert [it.prompt for it in load_items(path)] == ["a", "b"]
+    write_jsonl(path, [{"prompt": "a", "answer": "1", "prompt_id": "p1"},
+                       {"prompt": "a", "answer": 1.0, "prompt_id": "p2"},
+                       {"prompt": "b", "answer": "1,000", "prompt_id": "p3"},
+                       {"prompt": "b", "answer": "1000", "prompt_id": "p4"}])
+    assert len(load_items(path)) == 4

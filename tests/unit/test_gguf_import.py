@@ -206,3 +206,18 @@ def test_force_never_deletes_the_source_or_the_folder_it_runs_in(tiny_gguf, tmp_
     (work / "afile").write_text("x")
     with pytest.raises(GGUFImportError, match="is a file, not a folder"):
         import_gguf(source, work / "afile", force=True, log=lambda _: None)
+
+
+def test_force_never_deletes_a_folder_holding_a_link_to_the_source(tiny_gguf, tmp_path):
+    """A model cache keeps `snapshots/<rev>/x.gguf` as a link into `blobs/`: replacing the
+    snapshot folder would delete the name the user gave."""
+    path, _ = tiny_gguf
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    blob.write_bytes(path.read_bytes())
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "x.gguf").symlink_to(blob)
+    with pytest.raises(GGUFImportError, match="holds the GGUF file"):
+        import_gguf(snapshot / "x.gguf", snapshot, force=True, log=lambda _: None)
+    assert (snapshot / "x.gguf").exists()

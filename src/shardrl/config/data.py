@@ -65,6 +65,12 @@ class DatasetTask(Section):
         except ValueError as exc:
             raise ValueError(f"is not a format string ({exc}); write literal braces as "
                              "{{ and }}") from None
+        try:
+            template.format(prompt="")
+        except (ValueError, KeyError, IndexError, AttributeError) as exc:
+            if fields == {"prompt"}:  # a conversion or format spec that cannot apply
+                raise ValueError(f"does not format a prompt ({type(exc).__name__}: {exc})"
+                                 ) from None
         if fields != {"prompt"}:
             other = sorted(fields - {"prompt"})
             raise ValueError(

@@ -47,11 +47,13 @@ def _output_folder(file: Path, out: Path) -> Path:
     """`out`, resolved, when importing into it (and replacing it, with `--force`) cannot
     delete what must stay: the GGUF file itself, the current folder or one above it, or a
     file of that name."""
-    target, source, here = out.resolve(), file.resolve(), Path.cwd().resolve()
+    target, here = out.resolve(), Path.cwd().resolve()
     if target == here or target in here.parents:
         raise GGUFImportError(f"--out {out} is the current folder or one above it: replacing "
                               "it would delete what it holds; choose a folder of its own")
-    if target == source or target in source.parents:
+    # the file where it is named (a link, as in a model cache) and where it points
+    named, held = out.absolute(), (file.absolute(), file.resolve())
+    if any(folder in (source, *source.parents) for folder in (target, named) for source in held):
         raise GGUFImportError(f"--out {out} holds the GGUF file {file}: replacing it would "
                               "delete the file; choose another --out")
     if target.exists() and not target.is_dir():

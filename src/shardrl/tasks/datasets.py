@@ -72,20 +72,21 @@ def row_to_item(row: Any) -> tuple[TaskItem | None, list[str]]:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed row or None, parse problem) per non-blank line."""
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield number, None, (f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                     f"{exc.start + 1})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line), None
-            except json.JSONDecodeError as exc:
-                yield number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # the first bad byte, by line and column
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        yield (data.count(b"\n", 0, exc.start) + 1, None,
+               f"not UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start - start + 1})")
+        return
+    for number, line in enumerate(text.splitlines(), start=1):  # any line ending
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line), None
+        except json.JSONDecodeError as exc:
+            yield number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
@@ -108,6 +109,15 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         raise DatasetError(f"{path}: cannot read Parquet: {exc}") from exc
     for number, row in enumerate(table.to_pylist(), start=1):
         yield number, row, None
+
+
+def _same_answer(a: str, b: str) -> bool:
+    """Whether two answers to one prompt agree: as numbers when both are (1, 1.0, 1,000 and
+    1000), else as text without surrounding spaces."""
+    from .verifiers import parse_number
+
+    x, y = parse_number(a), parse_number(b)
+    return x == y if x is not None and y is not None else a.strip() == b.strip()
 
 
 def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> list[TaskItem]:
@@ -135,7 +145,8 @@ def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> li
             problems = [
                 f"duplicate prompt_id {item.prompt_id!r} (first at row {first_row[item.prompt_id]})"
             ]
-        elif item is not None and (seen := answered.get(item.prompt)) and seen[0] != item.answer:
+        elif item is not None and (seen := answered.get(item.prompt)) and not _same_answer(
+                seen[0], item.answer):
             problems = [f"the prompt of row {seen[1]} again, with another answer "
                         f"({item.answer!r}, not {seen[0]!r})"]
         elif item is not None:
