@@ -205,6 +205,13 @@ def test_the_chosen_version_is_registered_and_compared_on_its_confirming_evaluat
     # and a confirmed challenger meets an unconfirmed champion on its selection figure
     assert not promote("run-k7", {0: 0.1, 5: 0.785}, (5, 0.90, "s" * 16))["champion"]
     assert promote("run-k8", {0: 0.1, 5: 0.80}, (5, 0.60, "s" * 16))["champion"]
+    # the last version's one evaluation is no maximum: it meets a confirmed figure as is
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-confirm, margin: 0.0, "
+                     "choose: last}\n")
+    last = promote("run-k9", {0: 0.1, 5: 0.90, 10: 0.62}, None)
+    assert last["version"] == 10 and last["champion"]  # 0.62 against the confirmed 0.60
+    assert c.get_model_version("promo-confirm", last["model_version"]).tags[
+        "shardrl.eval_figure"] == "single"
 
 
 def _client(tmp: Path):
@@ -226,9 +233,10 @@ def test_registered_version_carries_tags_and_loads_with_the_transformers_flavor(
     assert mv.tags["shardrl.run_id"] == "run-a"
     assert mv.tags["shardrl.policy_version"] == "5"
     assert float(mv.tags["eval.pass_at_1"]) == 0.5
-    # the evaluation's figures, not its timing or settings
+    # the evaluation's figures, not its timing or settings, and the figure it was chosen on
     assert {k for k in mv.tags if k.startswith("eval.")} == {
-        "eval.pass_at_1", "eval.mean_reward", "eval.mean_length"}
+        "eval.pass_at_1", "eval.mean_reward", "eval.mean_length", "eval.selected.pass_at_1"}
+    assert mv.tags["shardrl.eval_figure"] == "selected"  # the best of three, unconfirmed
     assert len(mv.tags["shardrl.config_hash"]) == 12
     # set_tracking_uri exports MLFLOW_TRACKING_URI too: monkeypatch puts it back afterwards,
     # or later tests' runs would log here

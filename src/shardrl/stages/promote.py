@@ -22,8 +22,10 @@ SETUP_TAG = "shardrl.eval_setup"
 measured on, besides the policy."""
 FIGURE_TAG = "shardrl.eval_figure"
 """How a registered version's `eval.<metric>` was had: `confirmed` (a confirming evaluation of
-the chosen version, its selection figure in `eval.selected.<metric>`) or `selected` (the best
-of the run's evaluations; a version without the tag too)."""
+the chosen version), `single` (its one evaluation, not chosen among others: `promote.choose:
+last`) or `selected` (the best of the run's evaluations, which reads high; a version without
+the tag too). `eval.selected.<metric>` holds the figure it was chosen on."""
+UNBIASED = ("confirmed", "single")
 
 
 def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
@@ -51,14 +53,17 @@ def main(ctx: StageContext) -> int:
     summary = summaries[version]
     result = {"version": version, "metric": cfg.promote.metric,
               "baseline": summaries.get(0, {}).get(cfg.promote.metric)}
+    selected = float(summary[cfg.promote.metric])
     confirmed = confirmation(ctx, version, summary)
     if confirmed is not None:  # the best of several evaluations, measured again unbiased
-        result["selected_value"] = float(summary[cfg.promote.metric])
-        summary = confirmed
+        result["selected_value"] = selected
+        summary, figure = confirmed, "confirmed"
+    else:
+        figure = "single" if cfg.promote.choose == "last" or len(summaries) == 1 else "selected"
     metric = float(summary[cfg.promote.metric])
     result["value"] = metric
     if cfg.tracking.enabled:
-        result.update(register(ctx, version, metric, summary, result.get("selected_value")))
+        result.update(register(ctx, version, metric, summary, selected, figure))
     ctx.store.put_json(ctx.keys.state("promote", "result.json"), result)
     ctx.log.info("promote: %s", result)
     return 0
@@ -90,14 +95,15 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
 
 
 def register(ctx: StageContext, version: int, metric: float, summary: dict,
-             selected: float | None = None) -> dict:
+             selected: float | None = None, figure: str = "selected") -> dict:
     """Register policy `version` (once per run and version: a retry reuses the version an
     earlier attempt registered) and move the aliases: `challenger` to it unless a later
     registration holds it already, `champion` when it beats the champion's metric measured
-    the same way (the same held-out items, sampling and scoring: `SETUP_TAG`). `selected`:
-    the selection figure when `metric` is a confirming evaluation's. Two confirmed figures
-    compare; otherwise both sides' selection figures do (`FIGURE_TAG`), so a best-of-N
-    figure never meets a confirmed one."""
+    the same way (the same held-out items, sampling and scoring: `SETUP_TAG`). `figure`:
+    how `metric` was had (`FIGURE_TAG`); `selected`: the figure the version was chosen on.
+    Two unbiased figures (confirmed, or single) compare; otherwise both sides' selection
+    figures do, so a best-of-N figure never meets an unbiased one."""
+    selected = metric if selected is None else selected
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
     key = f"eval.{cfg.promote.metric}"
@@ -111,9 +117,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
                 "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
         tags.update({f"eval.{k}": str(v) for k, v in summary.items()
                      if isinstance(v, float) and k not in NOT_FIGURES})
-        tags[FIGURE_TAG] = "selected" if selected is None else "confirmed"
-        if selected is not None:
-            tags[f"eval.selected.{cfg.promote.metric}"] = str(selected)
+        tags[FIGURE_TAG] = figure
+        tags[f"eval.selected.{cfg.promote.metric}"] = str(selected)
         if summary.get("setup"):
             tags[SETUP_TAG] = summary["setup"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -133,15 +138,14 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
                      name, challenger.version)
     champion = _alias(c, name, "champion")
     promoted, kept = False, None
-    held, mine = None, metric
+    held, mine, read = None, metric, key
     if champion is not None:
-        confirmed = champion.tags.get(FIGURE_TAG) == "confirmed"
-        if confirmed and selected is not None:  # both measured again on fresh samples
+        if champion.tags.get(FIGURE_TAG) in UNBIASED and figure in UNBIASED:
             held = _number(champion.tags.get(key))
-        else:  # both sides' best-of-N figures
-            held = _number(champion.tags.get(f"eval.selected.{cfg.promote.metric}"
-                                             if confirmed else key))
-            mine = metric if selected is None else selected
+        else:  # both sides' figures as chosen (an untagged champion's is its eval.<metric>)
+            if champion.tags.get(FIGURE_TAG) in UNBIASED:
+                read = f"eval.selected.{cfg.promote.metric}"
+            held, mine = _number(champion.tags.get(read)), selected
     # a champion registered before setups were recorded compares on its metric alone
     theirs = None if champion is None else champion.tags.get(SETUP_TAG)
     ours = summary.get("setup")
@@ -151,7 +155,7 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
         # set by hand, or promoted on another metric: nothing to compare with, and replacing
         # a model someone chose unseen is worse than asking them
         kept = (f"champion {name} version {champion.version} has no numeric "
-                f"eval.{cfg.promote.metric} tag to compare with; it stays champion. Compare it with challenger version "
+                f"{read} tag to compare with; it stays champion. Compare it with challenger version "
                 f"{mv.version} and move the alias by hand, or tag it eval."
                 f"{cfg.promote.metric}=VALUE for later runs to compare")
         ctx.log.warning("promote: %s", kept)
