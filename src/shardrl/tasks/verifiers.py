@@ -36,9 +36,6 @@ MAX_EXPONENT = 1000
 """Largest power of ten a number may be written with (`1e1000`) to count as one."""
 _BOXED = "\\boxed{"
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
-"""The first "answer is ..." or "answer: ..." of a line, to the line's end."""
-_LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
-"""A statement that opens with another ("Final Answer: The final answer is $42$.")."""
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 # Markdown emphasis and code marks, and LaTeX inline-math delimiters, that chat models wrap
@@ -47,18 +44,6 @@ _MARKUP = re.compile(r"\*\*|__|`|\\[()\[\]]")
 _ITALIC = re.compile(r"(?<![\w*])[*_](?=\S)([^*_\n]+?)(?<=\S)[*_](?![\w*])")
 _BOLD = re.compile(r"\*\*([^*\n]+)\*\*|__([^_\n]+)__")
 _WORD_EDGE = " \t.,;:!?\"'()[]{}"
-_CLAUSE_END = re.compile(r"\.\s|,\s|;\s|\s(?:because|since|as)\s", re.IGNORECASE)
-"""Where the clause that states an answer ends."""
-_REMARK = re.compile(r"(?:correct|right|wrong|incorrect|above|below|as follows|confirmed|"
-                     r"verified|clear|obvious|consistent|plausible|valid|sound|accurate|"
-                     r"reasonable)\b", re.IGNORECASE)
-"""What "the answer is ..." says of an answer rather than stating one ("the answer is
-correct"): passed over for an answer stated before it, when there is one."""
-_HEDGE = re.compile(r"^(?:(?:indeed|still|actually|definitely|clearly|exactly|approximately|"
-                    r"about|roughly|therefore|thus|simply|just|then|now)\s+)+", re.IGNORECASE)
-"""Words before a stated number that leave it the answer ("the answer is indeed 12")."""
-_ASIDE = re.compile(r"\s*\([^()]*\)")
-"""A parenthesised aside after a number ("7 (= 3+4)")."""
 
 
 class VerifierError(ValueError):
@@ -113,24 +98,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def _leading_answer(text: str) -> str:
-    """The answer an "answer is ..." statement states, from its first clause (up to ". ",
-    ", ", "; " or "because"), past a leading "indeed", "still" and the like: the number it
-    starts with unless an "=" follows, a parenthesised aside aside ("42 apples" -> "42",
-    "7 (= 3+4)" -> "7", "indeed 12." -> "12"), else the number after its last "=" ("5+38 =
-    43." -> "43", "3 \\times 4 = 12" -> "12"), else that text ("x + 1, clearly" -> "x + 1",
-    "(C)")."""
-    clause = _CLAUSE_END.split(_LEAD_IN.sub("", text.strip()), maxsplit=1)[0]
-    lead = _HEDGE.sub("", clause.strip().lstrip("$"))
-    if number := _NUMBER.match(lead):
-        rest = lead[number.end():]
-        if aside := _ASIDE.match(rest):
-            rest = rest[aside.end():]
-        if "=" not in rest:
-            return number.group(0)
-    tail = clause.rsplit("=", 1)[-1]
-    if number := _NUMBER.match(tail.strip().lstrip("$")):
+    """A number at the start of `text` ("42 apples" -> "42"), else `text` up to ". " or ", ";
+    after the last "=" when there is one ("5+38 = 43." -> "43")."""
+    text = text.rsplit("=", 1)[-1]
+    if number := _NUMBER.match(text.strip().lstrip("$")):
         return number.group(0)
-    return tail
+    return re.split(r"\.\s|,\s", text, maxsplit=1)[0]
 
 
 def strip_markup(text: str) -> str:
@@ -148,29 +121,16 @@ def _bold_number(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str, number: bool = False) -> str | None:
+def final_answer(response: str) -> str | None:
     """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
     then the last emphasised number ("**42**"), then the last number. Markdown emphasis
-    and LaTeX inline delimiters around an answer are ignored, and so is an "answer is" that
-    remarks on the answer instead of stating one ("the answer is 7. Check: the answer is
-    correct." -> "7"). With `number` (the reference is a number), the last stated answer
-    that is one: a later statement without a number ("the answer is in dollars") does not
-    replace it."""
+    and LaTeX inline delimiters around an answer are ignored."""
     if (boxed := last_boxed(response)) is not None:
         return boxed
     plain = strip_markup(response)
-    first = None  # the last statement of the first pattern that has any
     for pattern in (_ANSWER_IS, _HASHES):
-        found = pattern.findall(plain)
-        kept = [text for text in found if not _REMARK.match(text.strip())] or found
-        stated = [_leading_answer(text) for text in kept]
-        if number and (numbers := [t for t in stated if parse_number(t) is not None]):
-            return numbers[-1]
-        if stated and not number:
-            return stated[-1]
-        first = first or (stated[-1] if stated else None)
-    if first is not None:
-        return first
+        if found := pattern.findall(plain):
+            return _leading_answer(found[-1])
     if (bold := _bold_number(response)) is not None:
         return bold
     found = _NUMBER.findall(plain)
@@ -223,7 +183,7 @@ def math_final_answer(response: str, answer: str) -> float:
     words as many as the reference has.
     """
     expected = parse_number(answer)
-    stated = final_answer(response, number=expected is not None)
+    stated = final_answer(response)
     if stated is not None:
         got = parse_number(stated)
         if got is not None and expected is not None:
