@@ -365,6 +365,8 @@ def test_a_dataset_prompt_template_holds_prompt_alone():
     assert check('Reply as {{"answer": N}}. {prompt}').task.source.prompt_template
     for template, said in (('Reply as {"answer": N}. {prompt}', "write literal braces as"),
                            ("Solve the sum.", "must hold {prompt}"),
-                           ("Q: {prompt", "is not a format string")):
+                           ("Q: {prompt", "is not a format string"),
+                           ("{prompt:.0}", "write {prompt} alone"),  # every prompt emptied
+                           ("{prompt!r}", "write {prompt} alone")):
         with pytest.raises(ValueError, match=said):
             check(template)

@@ -144,8 +144,15 @@ def test_line_endings_of_any_kind_and_answers_equal_as_numbers_load(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "a", "answer": "1"}\r{"prompt": "b", "answer": "2"}\r')
     assert [it.prompt for it in load_items(path)] == ["a", "b"]
-    write_jsonl(path, [{"prompt": "a", "answer": "1", "prompt_id": "p1"},
-                       {"prompt": "a", "answer": 1.0, "prompt_id": "p2"},
-                       {"prompt": "b", "answer": "1,000", "prompt_id": "p3"},
-                       {"prompt": "b", "answer": "1000", "prompt_id": "p4"}])
-    assert len(load_items(path)) == 4
+    # a JSON string may hold U+2028 or U+0085 as they are: no line ends there
+    path.write_text(json.dumps({"prompt": "a\u2028b\u0085c", "answer": "1"}, ensure_ascii=False)
+                    + "\n" + json.dumps({"prompt": "d", "answer": " 2 "}) + "\n"
+                    + json.dumps({"prompt": "d", "answer": "2", "prompt_id": "d2"}) + "\n")
+    assert [it.prompt for it in load_items(path)] == ["a\u2028b\u0085c", "d", "d"]
+    # every bad row is listed, with its own number, whatever the line ends
+    path.write_bytes(b'{"prompt": "\xe9", "answer": "1"}\r{"prompt": "b"}\r'
+                     b'{"prompt": "c\xff", "answer": "2"}\r')
+    with pytest.raises(DatasetError) as caught:
+        load_items(path)
+    assert "3 problem(s)" in str(caught.value)
+    assert "row 1: not UTF-8" in str(caught.value) and "row 3: not UTF-8" in str(caught.value)

@@ -241,7 +241,7 @@ def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
     m._forward()
     assert m.forwarder.unsent == []
     assert "MLflow refused a batch of the run's metric points" in capsys.readouterr().err
-    assert not m.forward_failing  # it answers: nothing to try again
+    assert not m.forward_failing  # it answers: nothing to try again, no outage to report
     from shardrl.tracking.mlflow_run import metric_name
 
     assert metric_name("evaluate/pass_at_1/Counting & Probability") == \

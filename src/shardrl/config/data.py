@@ -60,17 +60,16 @@ class DatasetTask(Section):
     @classmethod
     def _one_prompt_field(cls, template: str) -> str:
         try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(template)
-                      if name is not None}
+            parts = [(name, spec, conversion) for _, name, spec, conversion
+                     in string.Formatter().parse(template) if name is not None]
         except ValueError as exc:
             raise ValueError(f"is not a format string ({exc}); write literal braces as "
                              "{{ and }}") from None
-        try:
-            template.format(prompt="")
-        except (ValueError, KeyError, IndexError, AttributeError) as exc:
-            if fields == {"prompt"}:  # a conversion or format spec that cannot apply
-                raise ValueError(f"does not format a prompt ({type(exc).__name__}: {exc})"
-                                 ) from None
+        fields = {name for name, _, _ in parts}
+        if fields == {"prompt"} and any(spec or conversion for _, spec, conversion in parts):
+            # `{prompt:.0}` would empty every prompt, `{prompt!r}` quote it
+            raise ValueError("writes {prompt} with a format spec or conversion: write "
+                             "{prompt} alone")
         if fields != {"prompt"}:
             other = sorted(fields - {"prompt"})
             raise ValueError(

@@ -52,7 +52,8 @@ def _output_folder(file: Path, out: Path) -> Path:
         raise GGUFImportError(f"--out {out} is the current folder or one above it: replacing "
                               "it would delete what it holds; choose a folder of its own")
     # the file where it is named (a link, as in a model cache) and where it points
-    named, held = out.absolute(), (file.absolute(), file.resolve())
+    named = out.absolute()
+    held = (file.absolute(), file.resolve(), file.parent.resolve() / file.name)
     if any(folder in (source, *source.parents) for folder in (target, named) for source in held):
         raise GGUFImportError(f"--out {out} holds the GGUF file {file}: replacing it would "
                               "delete the file; choose another --out")

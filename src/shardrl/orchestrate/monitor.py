@@ -135,10 +135,11 @@ class Monitor:
             self.forward_after = time.monotonic() + RETRY_S
             if refused(exc.__cause__):  # sent again, it would be refused again, for ever
                 print(f"MLflow refused a batch of the run's metric points "
-                      f"({redacted(str(exc))[:300]}): {len(self.forwarder.unsent)} points "
-                      "stay in the store only", file=sys.stderr, flush=True)
+                      f"({redacted(str(exc))[:300]}): the points of that forward not yet "
+                      "taken stay in the store only", file=sys.stderr, flush=True)
                 self.forwarder.unsent = []
-                return  # MLflow answers: nothing to try again
+                self.forward_failing = False  # MLflow answers: nothing to try again
+                return
             if not self.forward_failing:
                 print(f"MLflow did not take the run's metrics ({redacted(str(exc))[:300]}): "
                       f"they stay in the store; trying again every {RETRY_S:.0f} s, and a "

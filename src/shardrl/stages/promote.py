@@ -101,8 +101,9 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
     registration holds it already, `champion` when it beats the champion's metric measured
     the same way (the same held-out items, sampling and scoring: `SETUP_TAG`). `figure`:
     how `metric` was had (`FIGURE_TAG`); `selected`: the figure the version was chosen on.
-    Two unbiased figures (confirmed, or single) compare; otherwise both sides' selection
-    figures do, so a best-of-N figure never meets an unbiased one."""
+    Two unbiased figures (confirmed, or single) compare; otherwise the figures each side
+    was chosen on do (a single evaluation's is itself), so a best-of-N figure never meets a
+    confirmed one."""
     selected = metric if selected is None else selected
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
@@ -156,8 +157,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
         # a model someone chose unseen is worse than asking them
         kept = (f"champion {name} version {champion.version} has no numeric "
                 f"{read} tag to compare with; it stays champion. Compare it with challenger version "
-                f"{mv.version} and move the alias by hand, or tag it eval."
-                f"{cfg.promote.metric}=VALUE for later runs to compare")
+                f"{mv.version} and move the alias by hand, or tag it {read}=VALUE for "
+                "later runs to compare")
         ctx.log.warning("promote: %s", kept)
     elif theirs is not None and ours is not None and theirs != ours:
         # another task, held-out set or sampling: the numbers do not measure the same thing

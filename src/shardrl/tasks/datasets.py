@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from shardrl.tasks.builtin import TaskItem
 
 DEFAULT_CATEGORY = "default"
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 COLUMNS = ("prompt", "answer", "category", "prompt_id")
 """The columns a dataset row may give; others are ignored."""
 MAX_REPORTED_ERRORS = 20
@@ -72,15 +74,14 @@ def row_to_item(row: Any) -> tuple[TaskItem | None, list[str]]:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed row or None, parse problem) per non-blank line."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:  # the first bad byte, by line and column
-        start = data.rfind(b"\n", 0, exc.start) + 1
-        yield (data.count(b"\n", 0, exc.start) + 1, None,
-               f"not UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start - start + 1})")
-        return
-    for number, line in enumerate(text.splitlines(), start=1):  # any line ending
+    # lines end in \n, \r\n or \r; not at U+2028 and the like, which JSON strings may hold
+    for number, raw in enumerate(_LINE_END.split(path.read_bytes()), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield number, None, (f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                 f"{exc.start + 1})")
+            continue
         if not line.strip():
             continue
         try:
@@ -111,15 +112,6 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         yield number, row, None
 
 
-def _same_answer(a: str, b: str) -> bool:
-    """Whether two answers to one prompt agree: as numbers when both are (1, 1.0, 1,000 and
-    1000), else as text without surrounding spaces."""
-    from .verifiers import parse_number
-
-    x, y = parse_number(a), parse_number(b)
-    return x == y if x is not None and y is not None else a.strip() == b.strip()
-
-
 def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> list[TaskItem]:
     """Read a `.jsonl` or `.parquet` dataset; raise `DatasetError` listing its bad rows.
 
@@ -145,8 +137,8 @@ def load_items(path: str | Path, *, max_errors: int = MAX_REPORTED_ERRORS) -> li
             problems = [
                 f"duplicate prompt_id {item.prompt_id!r} (first at row {first_row[item.prompt_id]})"
             ]
-        elif item is not None and (seen := answered.get(item.prompt)) and not _same_answer(
-                seen[0], item.answer):
+        elif item is not None and (seen := answered.get(item.prompt)) and \
+                seen[0].strip() != item.answer.strip():  # as a dataset's checker compares them
             problems = [f"the prompt of row {seen[1]} again, with another answer "
                         f"({item.answer!r}, not {seen[0]!r})"]
         elif item is not None:
