@@ -1,7 +1,8 @@
 """Image names, defined once; tags carry the package version and the source revision.
 
 A build is tagged `VERSION-gREV` (REV: the git commit, and `-dirty.HASH` with changes not
-committed, HASH of those changes), so a rebuild never replaces another revision's image; the plain `VERSION` tag is the release, pushed
+committed, HASH of those changes), so a rebuild never replaces another revision's image; the
+plain `VERSION` tag is the release, pushed
 once from a clean tree and never overwritten. Pipelines compiled from a checkout refer to the
 `VERSION-gREV` images of that checkout; inside an image the revision comes from
 `SHARDRL_GIT_REVISION`, set at build time. Never `:latest`.
@@ -68,9 +69,10 @@ def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> s
     if env.get(REVISION_ENV):
         return env[REVISION_ENV]
 
+    root = cwd or ROOT
+
     def git(*args: str) -> bytes:
-        return subprocess.run(["git", *args], cwd=cwd or ROOT, capture_output=True,
-                              check=True).stdout
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
 
     try:
         head = git("rev-parse", "--short=12", "HEAD").decode().strip()
@@ -81,7 +83,7 @@ def revision(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> s
                                *BUILD_CONTEXT).split(b"\0")[:-1])
         digest = hashlib.sha256(changed)
         for name in untracked:
-            digest.update(b"\0" + name + b"\0" + ((cwd or ROOT) / name.decode()).read_bytes())
+            digest.update(b"\0" + name + b"\0" + (root / name.decode()).read_bytes())
     except (OSError, subprocess.CalledProcessError):
         return None
     if not head:

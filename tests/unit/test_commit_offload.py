@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from procs import alive
 from shardrl.config import RunConfig
 from shardrl.doctor import saved_findings
 from shardrl.models.io import load_state_dict_from_safetensors
@@ -229,15 +230,6 @@ def test_a_dead_child_fails_the_commit_in_flight(tmp_path):
             child.run(commits(states(2))[1])
     finally:
         child.close()
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_child_dies_with_its_learner_even_in_the_middle_of_a_write(tmp_path):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from procs import alive
 from shardrl.tasks.rewards import (
     RewardSpec,
     VerifierTerm,
@@ -314,15 +315,6 @@ def test_a_kill_under_the_cpu_limit_is_not_called_a_timeout():
     assert spin.error == "timeout"  # killed at the hard limit, a second past the soft one
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie that nobody reaps does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_what_the_child_puts_in_its_folder_does_not_stall_the_parent():
     """The child's folder is its own: a FIFO or a link to an endless device where its
     output files were must not block the parent, nor feed it without end."""
@@ -356,7 +348,7 @@ def test_a_stopped_call_takes_its_child_along(monkeypatch):
     monkeypatch.setattr(sandbox, "_collect", stopped)
     with pytest.raises(RuntimeError, match="stopped"):
         run_python_snippet("import time\ntime.sleep(60)", LIMITS)
-    assert pids and not _alive(pids[0])
+    assert pids and not alive(pids[0])
 
 
 def test_a_killed_parent_takes_its_child_along(tmp_path):
@@ -378,14 +370,14 @@ def test_a_killed_parent_takes_its_child_along(tmp_path):
         while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
         child = int(marker.read_text())
-        assert _alive(child)
+        assert alive(child)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not alive(child)
 
 
 @pytest.mark.parametrize(("code", "refused"), [

@@ -66,17 +66,16 @@ class DatasetTask(Section):
             raise ValueError(f"is not a format string ({exc}); write literal braces as "
                              "{{ and }}") from None
         fields = {name for name, _, _ in parts}
-        if fields == {"prompt"} and any(spec or conversion for _, spec, conversion in parts):
+        if "prompt" not in fields:
+            raise ValueError("must hold {prompt}, where each row's prompt goes")
+        if other := sorted(fields - {"prompt"}):
+            raise ValueError(f"holds other fields than {{prompt}} "
+                             f"({', '.join(repr(f) for f in other)}): write literal braces "
+                             "as {{ and }}")
+        if any(spec or conversion for _, spec, conversion in parts):
             # `{prompt:.0}` would empty every prompt, `{prompt!r}` quote it
             raise ValueError("writes {prompt} with a format spec or conversion: write "
                              "{prompt} alone")
-        if fields != {"prompt"}:
-            other = sorted(fields - {"prompt"})
-            raise ValueError(
-                "must hold {prompt}, where each row's prompt goes" if not fields or
-                "prompt" not in fields else
-                f"holds other fields than {{prompt}} ({', '.join(repr(f) for f in other)}): "
-                "write literal braces as {{ and }}")
         return template
 
 

@@ -139,7 +139,7 @@ class Settled:
 
 class SendFailed(Exception):
     """Sending points to MLflow failed (its `__cause__` says how); they go again with the
-    next `forward` unless `drop_unsent`."""
+    next `forward` unless `Forwarder.unsent` is emptied."""
 
 
 class Forwarder:

@@ -31,6 +31,7 @@ def refused(exc: BaseException | None) -> bool:
 
 RETRY_S = 30.0
 """Seconds between a tick's tries to forward metrics while MLflow fails to answer."""
+BRIEF = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 @contextlib.contextmanager
@@ -48,9 +49,6 @@ def brief_requests() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-BRIEF = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 class Monitor:

@@ -179,7 +179,6 @@ def confirm_choice(ctx: StageContext, engine: PolicyEngine | None, task) -> dict
     return evaluate_version(ctx, engine, task, version, confirm=True)
 
 
-
 def evaluates_snapshot(cfg) -> bool:
     """Whether the snapshot stage evaluates version 0 (`evaluate_snapshot`): with the HF
     engine, which every image has. A vLLM engine lives in its own image, which the snapshot

@@ -107,7 +107,7 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
     selected = metric if selected is None else selected
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
-    key = f"eval.{cfg.promote.metric}"
+    key, chosen_key = f"eval.{cfg.promote.metric}", f"eval.selected.{cfg.promote.metric}"
     c = client(cfg)
     run = find_or_create_run(cfg, ctx.run_id, c)
     if _found(lambda: c.get_registered_model(name)) is None:
@@ -115,11 +115,11 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
     mv = find_version(c, name, ctx.run_id, version)
     if mv is None:
         tags = {RUN_TAG: ctx.run_id, POLICY_VERSION_TAG: str(version),
-                "shardrl.config_hash": cfg.config_hash(), f"eval.{cfg.promote.metric}": str(metric)}
+                "shardrl.config_hash": cfg.config_hash(), key: str(metric)}
         tags.update({f"eval.{k}": str(v) for k, v in summary.items()
                      if isinstance(v, float) and k not in NOT_FIGURES})
         tags[FIGURE_TAG] = figure
-        tags[f"eval.selected.{cfg.promote.metric}"] = str(selected)
+        tags[chosen_key] = str(selected)
         if summary.get("setup"):
             tags[SETUP_TAG] = summary["setup"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -141,12 +141,11 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
     promoted, kept = False, None
     held, mine, read = None, metric, key
     if champion is not None:
-        if champion.tags.get(FIGURE_TAG) in UNBIASED and figure in UNBIASED:
-            held = _number(champion.tags.get(key))
-        else:  # both sides' figures as chosen (an untagged champion's is its eval.<metric>)
-            if champion.tags.get(FIGURE_TAG) in UNBIASED:
-                read = f"eval.selected.{cfg.promote.metric}"
-            held, mine = _number(champion.tags.get(read)), selected
+        theirs_unbiased = champion.tags.get(FIGURE_TAG) in UNBIASED
+        if not (theirs_unbiased and figure in UNBIASED):
+            # both sides' figures as chosen (an untagged champion's is its eval.<metric>)
+            read, mine = (chosen_key if theirs_unbiased else key), selected
+        held = _number(champion.tags.get(read))
     # a champion registered before setups were recorded compares on its metric alone
     theirs = None if champion is None else champion.tags.get(SETUP_TAG)
     ours = summary.get("setup")
