@@ -208,6 +208,17 @@ def test_listing_with_a_limit_stops_early_and_resumes_inside_folders(store):
             store.list(limit=bad)
 
 
+def test_listing_resumes_after_a_key_that_was_never_written(store):
+    """A metrics writer looks for chunks named after the clock's time: a key that may not
+    exist, inside a folder that may not exist either."""
+    keys = ["m/w/1/10", "m/w/1/30", "m/w/3/50", "m/x/1/60"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    assert store.list("m/w/", start_after="m/w/1/20") == ["m/w/1/30", "m/w/3/50"]
+    assert store.list("m/w/", start_after="m/w/2/40", limit=1) == ["m/w/3/50"]
+    assert store.list("m/w/", start_after="m/w/3/55") == []
+
+
 def test_shard_round_trip_and_padding(store):
     key = RunKeys("r1").rollout(3, 0, 7)
     table = _rollout_table(4)

@@ -166,3 +166,43 @@ def test_the_learners_metrics_land_behind_their_commit_and_never_for_a_failed_on
     assert names == sorted(names) and len(names) == 3
     assert names[1].endswith(f"{ahead // 1000}.parquet")
     assert names[2].endswith(f"{ahead // 1000 + 1}.parquet"), names
+
+
+def test_a_restarted_writer_names_its_chunks_after_its_predecessors_on_a_clock_behind(tmp_path):
+    """Readers resume each writer after the newest chunk they took: a restarted stage on a
+    machine whose clock is behind the last one's would name its chunks below that mark, and
+    no reader would ever take them."""
+    import time
+
+    from shardrl.doctor.series import ChunkTail
+    from shardrl.stages.context import MetricsSink
+    from shardrl.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    ahead_us = time.time_ns() // 1000 + 3_600 * 10**6  # the first machine ran an hour ahead
+    before = MetricsSink(store, KEYS, "learn", 0)
+    before._last_key_us = ahead_us - 1
+    before.log(1, {"loss": 0.5})
+    before.flush()
+    other = MetricsSink(store, KEYS, "learn", 1)  # another worker's newer chunk: not its own
+    other._last_key_us = ahead_us + 10**9
+    other.log(1, {"loss": 0.5})
+    other.flush()
+    tail = ChunkTail(store, KEYS)
+    tail.take(tail.poll())
+
+    after = MetricsSink(store, KEYS, "learn", 0)  # the restart, on the right clock
+    after.log(2, {"loss": 0.4})
+    after.flush()
+    after.log(3, {"loss": 0.3})
+    after.flush()
+    new = tail.poll()
+    assert [k.rpartition("/")[2] for k in new] == [f"{ahead_us + 1:016d}.parquet",
+                                                   f"{ahead_us + 2:016d}.parquet"], new
+
+    fresh = MetricsSink(store, KEYS, "score", 0)  # no predecessor: named by the clock
+    fresh.log(1, {"x": 1.0})
+    now_us = time.time_ns() // 1000
+    fresh.flush()
+    name = int(store.list(KEYS.root + "metrics/score/")[0].rpartition("/")[2][:-8])
+    assert now_us <= name < ahead_us

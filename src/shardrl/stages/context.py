@@ -101,7 +101,8 @@ class MetricsSink:
         self.flush_every_s = flush_every_s
         self._rows: list[tuple[str, int, float, float]] = []
         self._last_flush = time.monotonic()
-        self._last_key_us = 0
+        self._last_key_us: int | None = None
+        """The last chunk's name (microseconds); None until the first write looks it up."""
         self.defer: Callable[[Callable[..., None], list], None] | None = None
         """Where a flush's write goes instead of this thread: the learner's commit writer,
         so that a step's figures land after its commit and never for a commit that did not
@@ -138,9 +139,29 @@ class MetricsSink:
         })
         # named by the clock, but never below the last name: readers resume after the newest
         # chunk they read, so one named earlier after the clock stepped back would be missed
-        self._last_key_us = max(time.time_ns() // 1000, self._last_key_us + 1)
+        now_us = time.time_ns() // 1000
+        if self._last_key_us is None:
+            self._last_key_us = self._newest_stored(now_us)
+        self._last_key_us = max(now_us, self._last_key_us + 1)
         write_shard(self.store, self.keys.metrics_chunk(self.stage, self.worker,
                                                         self._last_key_us), table, METRICS)
+
+    def _newest_stored(self, now_us: int) -> int:
+        """The name of this writer's newest chunk named after `now_us`, or 0: a process that
+        takes over a worker's place (a restart, on a machine whose clock may be behind the
+        last one's) continues after the chunks its predecessor wrote."""
+        after = self.keys.metrics_chunk(self.stage, self.worker, now_us)
+        prefix = after[:after.rindex("/", 0, after.rindex("/")) + 1]  # .../w<WW>/
+        newest = 0
+        while page := self.store.list(prefix, start_after=after, limit=1000):
+            after = page[-1]
+            for key in page:
+                name = key.rpartition("/")[2].removesuffix(".parquet")
+                if name.isdigit():
+                    newest = max(newest, int(name))
+            if len(page) < 1000:
+                break
+        return newest
 
 
 @dataclass
