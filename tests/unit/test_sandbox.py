@@ -198,6 +198,26 @@ def test_snippet_output_is_capped():
     assert result.error.startswith("crashed: OSError") and "File too large" in result.error
 
 
+def test_a_snippet_writes_few_files_so_its_writes_stay_bounded_in_all():
+    """The file-size limit holds per file: without a count, a snippet could fill the disk
+    with many files of up to `output_bytes` each within its wall-clock limit."""
+    from shardrl.tasks.sandbox import MAX_FILES_WRITTEN
+
+    limits = SandboxLimits(cpu_seconds=2, memory_mb=256, wall_seconds=10, output_bytes=1000)
+    many = ("import os\nfor i in range(%d):\n    with open(f'f{i}', 'w') as f:\n"
+            "        f.write('x' * 1000)\nprint('wrote')")
+    assert run_python_snippet(many % MAX_FILES_WRITTEN, limits).stdout == "wrote\n"
+    result = run_python_snippet(many % (MAX_FILES_WRITTEN + 1), limits)
+    assert result.error == (f"crashed: PermissionError: not allowed in the sandbox: writing "
+                            f"more than {MAX_FILES_WRITTEN} files")
+    raw = (f"import os\nfor i in range({MAX_FILES_WRITTEN + 1}):\n"
+           "    os.close(os.open(f'r{i}', os.O_RDWR | os.O_CREAT))")
+    assert run_python_snippet(raw, limits).error.endswith(f"more than {MAX_FILES_WRITTEN} files")
+    reads = (f"import os\nfor i in range({4 * MAX_FILES_WRITTEN}):\n"
+             "    open(os.devnull).close()\nprint('read')")
+    assert run_python_snippet(reads, limits).stdout == "read\n"  # reading is not counted
+
+
 def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("```py\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
     assert extract_code("print(3)") == "print(3)"

@@ -5,7 +5,8 @@ temporary working directory with stdin from /dev/null and a minimal environment 
 LANG, HOME and TMPDIR pointing at the working directory): credentials in the parent's
 environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) are not handed to it. Before any untrusted code
 runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
-(bytes written to any file, stdout included), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
+(bytes written to any file, stdout included; a snippet may open at most `MAX_FILES_WRITTEN`
+files for writing), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
 the parent enforces the wall-clock limit and kills the child's whole process group, also
 when the call is stopped; the kernel kills the child if the parent dies (PR_SET_PDEATHSIG).
 The result comes back as JSON over a private pipe, read as it comes (at most `output_bytes`);
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 MAX_ERROR_CHARS = 500
+MAX_FILES_WRITTEN = 64
+"""Files a snippet may open for writing (each at most `output_bytes`)."""
 
 # Runs in the child. argv: request file, result pipe fd. Limits first, then the work. Nothing
 # the guard reads is left where the untrusted code could reach it by name (`import __main__`
@@ -95,11 +98,19 @@ def _guard(snippet):
             if hasattr(mod, name):
                 setattr(mod, name, refused)
     blocked, own = frozenset(blocked), os.getpid()
+    # RLIMIT_FSIZE bounds each file: a snippet may open few files for writing, so that what
+    # it writes stays bounded in all
+    writing, written = (os.O_WRONLY | os.O_RDWR) if snippet else 0, [0]
     def guard(event, args):
         if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
                 event == "import" and args[0] in native):
             raise PermissionError("not allowed in the sandbox: " + event
                                   + (" " + str(args[0]) if event == "import" else ""))
+        if event == "open" and args[2] & writing and not isinstance(args[0], int):
+            written[0] += 1
+            if written[0] > %(max_files)d:
+                raise PermissionError("not allowed in the sandbox: writing more than "
+                                      "%(max_files)d files")
     sys.addaudithook(guard)
 
 def _main(req, fd):
@@ -131,7 +142,8 @@ def _main(req, fd):
 _request = _start()
 del _start, _guard
 _main(*_request)
-""".replace("%(max_error)d", str(MAX_ERROR_CHARS))
+""".replace("%(max_error)d", str(MAX_ERROR_CHARS)).replace("%(max_files)d",
+                                                            str(MAX_FILES_WRITTEN))
 
 
 @dataclass(frozen=True)
