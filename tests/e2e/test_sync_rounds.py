@@ -140,6 +140,18 @@ def test_a_round_whose_groups_are_all_filtered_still_makes_its_version(tmp_path,
     assert account(store, keys).balanced
 
 
+class WholeReads(LocalStore):
+    """A folder store that records the keys read whole."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.whole: list[str] = []
+
+    def get_bytes(self, key: str) -> bytes:
+        self.whole.append(key)
+        return super().get_bytes(key)
+
+
 def test_a_learner_stopped_after_its_checkpoint_redoes_the_step_from_the_one_before(
         tmp_path, monkeypatch):
     """Full fine-tuning, `--once` rounds (a checkpoint at every version): a learner stopped
@@ -151,7 +163,7 @@ def test_a_learner_stopped_after_its_checkpoint_redoes_the_step_from_the_one_bef
     cfg = tiny_config(tmp_path, overrides=(
         "rollout.workers=1", "learner.total_steps=4", "learner.lr=0.01",
         "learner.keep_checkpoints=1", "reward.overlong={buffer_tokens: 4}"))
-    store, keys = LocalStore(tmp_path / "store"), RunKeys("redo")
+    store, keys = WholeReads(tmp_path / "store"), RunKeys("redo")
     with one_thread():
         run_round(store, cfg, "redo", "snapshot")
         for _ in range(3):
@@ -167,7 +179,10 @@ def test_a_learner_stopped_after_its_checkpoint_redoes_the_step_from_the_one_bef
         store.put_bytes(keys.progress(), at_two)
         store.put_bytes(keys.learner_file(2, f"{BACKEND_STATE}.safetensors"), step_two)
         assert latest_checkpoint(store, keys) == 3
+        store.whole.clear()
         run_round(store, cfg, "redo", "learn")
+    # the optimizer state came in a tensor at a time, never as one whole read
+    assert not [k for k in store.whole if k.endswith(f"{BACKEND_STATE}.safetensors")]
     delta = LedgerDelta.read(store, sorted(store.list(keys.ledger_prefix()))[-1])
     assert delta.version == 3 and delta.restart.checkpoint == 2
     again = fetch_weights(store, keys, 3)

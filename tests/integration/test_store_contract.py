@@ -134,6 +134,23 @@ def test_put_if_absent_lets_one_of_racing_writers_win(spec):
         assert stores[0].get_bytes(key) == f"writer {won.index(True)}".encode()
 
 
+def test_a_range_of_an_object(store):
+    data = bytes(range(256)) * 4
+    store.put_bytes("r/obj", data)
+    assert store.get_range("r/obj", 0, 8) == data[:8]
+    assert store.get_range("r/obj", 300, 100) == data[300:400]
+    assert store.get_range("r/obj", 1000, 100) == data[1000:]  # fewer at its end
+    assert store.get_range("r/obj", 1024, 5) == b""  # none from past it
+    assert store.get_range("r/obj", 5000, 5) == b""
+    store.put_bytes("r/empty", b"")
+    assert store.get_range("r/empty", 0, 5) == b""
+    with pytest.raises(NotFound):
+        store.get_range("r/missing", 0, 1)
+    for offset, length in ((-1, 1), (0, 0), (0, -2), (True, 1), (0.5, 1)):
+        with pytest.raises(ValueError):
+            store.get_range("r/obj", offset, length)
+
+
 def test_missing_keys_exists_and_delete(store):
     with pytest.raises(NotFound):
         store.get_bytes("nope/missing")

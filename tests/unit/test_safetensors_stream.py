@@ -227,3 +227,43 @@ def test_gather_lends_the_published_weights_only_when_asked(lend):
     assert files.loan is None  # so the next update does not wait for the writer
     assert narrow["weight"].dtype == torch.bfloat16
     assert narrow["weight"].data_ptr() != lm.weight.data_ptr()
+
+
+def test_a_stored_file_reads_back_tensor_by_tensor_reading_only_what_is_asked():
+    from shardrl.models.io import StoredSafetensors
+
+    tensors = {k: v.contiguous() for k, v in _tensors().items()}
+    data = st_save(tensors, metadata={"step": "3"})
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, length: int) -> bytes:
+        assert offset >= 0 and length >= 1
+        reads.append((offset, length))
+        return data[offset:offset + length]
+
+    stored = StoredSafetensors(read, "ckpt")
+    assert sum(n for _, n in reads) == len(data) - sum(t.numel() * t.element_size() for t in tensors.values())
+    assert stored.metadata == {"step": "3"}
+    assert set(stored) == set(tensors) and len(stored) == len(tensors)
+    assert "f32" in stored and "nope" not in stored and stored.get("nope") is None
+    reads.clear()
+    bf16 = stored["bf16"]
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, tensors["bf16"])
+    assert reads == [(reads[0][0], 7 * 2)]  # its own 14 bytes, nothing else
+    for name, expected in tensors.items():
+        got = stored[name]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+
+
+@pytest.mark.parametrize("cut", ["empty", "length", "header", "tensor", "not_json"])
+def test_a_stored_file_that_is_not_safetensors_or_is_cut_short_says_so(cut):
+    from shardrl.models.io import StoredSafetensors
+
+    data = st_save({"a": torch.ones(4), "b": torch.zeros(2)})
+    data = {"empty": b"", "length": data[:5], "header": data[:20], "tensor": data[:-3],
+            "not_json": b"\x04\0\0\0\0\0\0\0[1] "}[cut]
+    with pytest.raises(ValueError, match="ckpt"):
+        stored = StoredSafetensors(lambda o, n: data[o:o + n], "ckpt")
+        for name in stored:
+            stored[name]

@@ -344,8 +344,8 @@ class DeepSpeedLearnerBackend:
                         _set_zero3_state(param, value, slot)
                     else:
                         safe_set_full_optimizer_state(param, value, slot)
-                master = state.get(moment_key(part, name, MASTER))
-                if self.bf16 and master is not None:
+                master = state.get(moment_key(part, name, MASTER)) if self.bf16 else None
+                if master is not None:
                     if self.zero3:
                         _set_zero3_state(param, master.to(self.device), None)
                     else:

@@ -14,12 +14,13 @@ import inspect
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -219,6 +220,68 @@ def state_dict_bytes(model: torch.nn.Module, metadata: Mapping[str, str] | None 
 def load_state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
     """Inverse of `state_dict_bytes`: {key: CPU tensor}."""
     return safetensors_load(data)
+
+
+MAX_HEADER_BYTES = 100 << 20
+"""The largest safetensors header read (the library's own limit)."""
+
+
+class StoredSafetensors(Mapping[str, torch.Tensor]):
+    """The tensors of a safetensors file, each read when asked for through `read(offset,
+    length)` (a store's range read, which returns fewer bytes only at the file's end): a
+    checkpoint loads one tensor at a time instead of whole, twice (its bytes and its
+    tensors), in every process that loads it. Each tensor is decoded by safetensors itself,
+    from a one-tensor file made of its header entry and its bytes. ValueError for a file
+    that is not safetensors or is cut short; `name` says which in the message."""
+
+    def __init__(self, read: Callable[[int, int], bytes], name: str = "safetensors file") -> None:
+        self._read, self.name = read, name
+        first = read(0, 8)
+        if len(first) < 8:
+            raise ValueError(f"{name}: not a safetensors file ({len(first)} bytes)")
+        (size,) = struct.unpack("<Q", first)
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise ValueError(f"{name}: not a safetensors file (a header of {size} bytes)")
+        text = read(8, size)
+        try:
+            header = json.loads(text) if len(text) == size else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{name}: not a safetensors file (its header is cut short or "
+                             f"is not a JSON object)")
+        self.metadata = header.pop("__metadata__", None)
+        self._entries: dict[str, Any] = header
+        self._start = 8 + size
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            one = {name: {"dtype": entry["dtype"], "shape": entry["shape"],
+                          "data_offsets": [0, end - begin]}}
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{self.name}: tensor {name!r} has a malformed entry") from e
+        if not 0 <= begin <= end:
+            raise ValueError(f"{self.name}: tensor {name!r} has offsets {begin}..{end}")
+        data = self._read(self._start + begin, end - begin) if end > begin else b""
+        if len(data) != end - begin:
+            raise ValueError(f"{self.name}: cut short in tensor {name!r}")
+        text = json.dumps(one, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        try:
+            return safetensors_load(struct.pack("<Q", len(text)) + text + data)[name]
+        except SafetensorError as e:  # a dtype it does not know, a shape its bytes do not fill
+            raise ValueError(f"{self.name}: tensor {name!r} does not decode: {e}") from e
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
 
 
 SAFETENSORS_DTYPES = {

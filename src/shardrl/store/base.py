@@ -79,6 +79,13 @@ def check_limit(limit: int | None) -> int | None:
     return limit
 
 
+def check_range(offset: int, length: int) -> None:
+    """ValueError unless `offset >= 0` and `length >= 1` are integers."""
+    for name, value, least in (("offset", offset, 0), ("length", length, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"range {name} must be an integer >= {least}, got {value!r}")
+
+
 class Store(ABC):
     """An object store rooted at `uri`; keys are relative to that root."""
 
@@ -111,6 +118,13 @@ class Store(ABC):
     @abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """Read the whole object at `key`; raise NotFound when it does not exist."""
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes `offset` to `offset + length` of the object at `key`: fewer at its end, none
+        from past it; NotFound when it does not exist. This default reads the whole object;
+        the local and S3 stores read only the range."""
+        check_range(offset, length)
+        return self.get_bytes(key)[offset:offset + length]
 
     @abstractmethod
     def exists(self, key: str) -> bool:

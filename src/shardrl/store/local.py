@@ -28,6 +28,7 @@ from shardrl.store.base import (
     check_key,
     check_limit,
     check_prefix,
+    check_range,
 )
 
 _TMP_SUFFIX = ".tmp"
@@ -185,6 +186,18 @@ class LocalStore(Store):
         path = self._path(key)
         try:
             return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+            raise NotFound(f"no object {key!r} in {self.uri}") from e
+        except OSError as e:
+            raise StoreError(f"cannot read {key!r} in {self.uri}: {e}") from e
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
             raise NotFound(f"no object {key!r} in {self.uri}") from e
         except OSError as e:

@@ -38,6 +38,7 @@ from shardrl.store.base import (
     check_key,
     check_limit,
     check_prefix,
+    check_range,
 )
 
 T = TypeVar("T")
@@ -252,10 +253,24 @@ class S3Store(Store):
         self._call("put", key, put)
 
     def get_bytes(self, key: str) -> bytes:
+        return self._get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        return self._get(key, offset, length)
+
+    def _get(self, key: str, offset: int = 0, length: int = 0) -> bytes:
+        """The object's bytes from `offset`, `length` of them (0: to its end)."""
         name = self.prefix + check_key(key)
 
         def get() -> bytes:
-            response = self._client.get_object(self.bucket, name)
+            try:
+                response = self._client.get_object(self.bucket, name, offset=offset,
+                                                   length=length)
+            except S3Error as e:
+                if e.code == "InvalidRange" and length:  # a range from past the end
+                    return b""
+                raise
             try:
                 return response.read()
             finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator, Mapping
+from functools import partial
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,6 +17,7 @@ from ...learner_backends import build_backend
 from ...learner_backends.base import MASTER, POLICY
 from ...models.delta import publish_state, state_bytes
 from ...models.dropout import disable_dropout
+from ...models.io import StoredSafetensors
 from ...store.records import Aborted, Done, LearnerRestart, Progress, Taken
 from ...store.schemas import READY
 from ...store.shards import read_shard
@@ -151,9 +154,10 @@ class Learner:
         backend = build_backend(cfg.learner, self.model, critic=critic,
                                 critic_lr=cfg.algo.critic.lr if critic is not None else None)
         if self.version > 0:
-            if ckpt is not None:  # every rank loads its partition (a collective call)
-                name = f"{ranks.BACKEND_STATE}.safetensors"
-                state = st_load(store.get_bytes(keys.learner_file(ckpt, name)))
+            if ckpt is not None:  # every rank loads its partition (a collective call),
+                # reading the file a tensor at a time: never all of it in any rank's memory
+                key = keys.learner_file(ckpt, f"{ranks.BACKEND_STATE}.safetensors")
+                state = StoredSafetensors(partial(store.get_range, key), key)
                 backend.load_state_dict(resumable_state(state, ckpt, self.version))
             ctx.log.info("resumed at version %d (optimizer state%s from step %s)", self.version,
                          " and the critic" if critic is not None else "", ckpt)
@@ -448,8 +452,8 @@ class Learner:
         return 0
 
 
-def resumable_state(state: dict[str, torch.Tensor], ckpt: int, version: int,
-                    ) -> dict[str, torch.Tensor]:
+def resumable_state(state: Mapping[str, torch.Tensor], ckpt: int, version: int,
+                    ) -> Mapping[str, torch.Tensor]:
     """A checkpoint's backend state for a learner resuming at the committed `version`: the
     policy's float32 masters (DeepSpeed's bf16) only when the checkpoint is of that version.
     An older checkpoint's would put the policy back to its step (the engine copies the
@@ -457,8 +461,26 @@ def resumable_state(state: dict[str, torch.Tensor], ckpt: int, version: int,
     its published weights, and its masters are rebuilt from them."""
     if ckpt == version:
         return state
-    return {k: v for k, v in state.items()
-            if not (k.startswith(f"{POLICY}/") and k.endswith(f"/{MASTER}"))}
+    return _Subset(state, [k for k in state
+                           if not (k.startswith(f"{POLICY}/") and k.endswith(f"/{MASTER}"))])
+
+
+class _Subset(Mapping[str, torch.Tensor]):
+    """The entries `names` of `state`, each read from it only when asked for."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._state, self._names = state, dict.fromkeys(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class Barren:
