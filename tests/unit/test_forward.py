@@ -246,6 +246,19 @@ def test_a_tick_does_not_wait_for_mlflow_nor_stop_the_run(monkeypatch, capsys):
 
     assert metric_name("evaluate/pass_at_1/Counting & Probability") == \
         "evaluate/pass_at_1/Counting _ Probability"
+    # MLflow's own check takes every name it gives, and it leaves good names as they are
+    from mlflow.utils.validation import _validate_metric_name
+
+    long = "evaluate/pass_at_1/" + "x" * 300
+    for raw, expected in [("evaluate/pass_at_1/Geometry/", "evaluate/pass_at_1/Geometry"),
+                          ("evaluate/pass_at_1/..", "evaluate/pass_at_1/__"),
+                          ("/learn//loss/./x", "learn/loss/x"), ("", "_"), ("/", "_"),
+                          ("learn/loss", "learn/loss"), ("a/.../b.c", "a/.../b.c"),
+                          (long, None), (long + "y", None)]:
+        got = metric_name(raw)
+        _validate_metric_name(got)
+        assert expected is None or got == expected, (raw, got)
+    assert len(metric_name(long)) == 250 and metric_name(long) != metric_name(long + "y")
     # anything else than MLflow failing is the run's own error, not hidden
     m.forwarder = type("Broken", (), {"forward": lambda self, final=False: 1 / 0})()
     with pytest.raises(ZeroDivisionError):

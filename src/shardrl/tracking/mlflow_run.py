@@ -7,6 +7,7 @@ once, after the others stopped. Against an MLflow server any stage may write.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -123,11 +124,23 @@ def flatten(data: dict, prefix: str = "") -> dict[str, object]:
 _NOT_IN_NAMES = re.compile(r"[^\w\-. :/]")
 
 
+MAX_METRIC_NAME = 250
+"""MLflow's longest metric name."""
+
+
 def metric_name(name: str) -> str:
-    """`name` as MLflow takes it: characters other than letters, digits, `_ - . : /` and spaces
-    become `_` (a dataset's category, "Counting & Probability", is part of a name; MLflow
-    refuses the whole batch that holds one it does not take)."""
-    return _NOT_IN_NAMES.sub("_", name)
+    """`name` as MLflow takes it (a dataset's category, "Counting & Probability" or
+    "Geometry/", is part of a name, and MLflow refuses the whole batch that holds one name it
+    does not take): characters other than letters, digits, `_ - . : /` and spaces become `_`;
+    as a path it must name itself, so empty and `.` parts are left out and `..` parts become
+    `__`; a name longer than MLflow's limit keeps its start and a hash of the whole."""
+    parts = [("__" if p == ".." else p) for p in _NOT_IN_NAMES.sub("_", name).split("/")
+             if p not in ("", ".")]
+    out = "/".join(parts) or "_"
+    if len(out) > MAX_METRIC_NAME:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        out = f"{out[:MAX_METRIC_NAME - 9]}_{digest}"
+    return out
 
 
 def log_points(c, mlflow_run: str, points: list[tuple[str, int, float, float]]) -> None:
