@@ -94,3 +94,29 @@ def test_an_older_checkpoint_gives_its_moments_not_its_policy_masters():
              "policy/w/fp32": torch.ones(2), "critic/v/fp32": torch.ones(1)}
     assert resumable_state(state, 17, 17) is state
     assert set(resumable_state(state, 10, 17)) == {"step", "policy/w/exp_avg", "critic/v/fp32"}
+
+
+def test_an_older_checkpoint_read_lazily_reads_each_entry_once_and_only_when_taken():
+    """A resume from a checkpoint before the committed version (most resumes: one every
+    `ckpt_every` versions) asks the state whether it holds each entry, then takes it: the
+    question must not read the tensor."""
+    import torch
+    from safetensors.torch import save as st_save
+
+    from shardrl.models.io import StoredSafetensors
+    from shardrl.stages.learn.loop import resumable_state
+
+    data = st_save({"step": torch.tensor(10.0), "policy/w/exp_avg": torch.ones(2),
+                    "policy/w/fp32": torch.ones(2), "critic/v/fp32": torch.ones(1)})
+    reads: list[int] = []
+
+    def read(offset: int, length: int) -> bytes:
+        reads.append(offset)
+        return data[offset:offset + length]
+
+    state = resumable_state(StoredSafetensors(read, "ckpt"), 10, 17)
+    reads.clear()
+    assert "policy/w/exp_avg" in state and "policy/w/fp32" not in state
+    assert state.get("policy/w/fp32") is None and len(state) == 3
+    assert reads == []
+    assert torch.equal(state["policy/w/exp_avg"], torch.ones(2)) and len(reads) == 1

@@ -216,6 +216,15 @@ def test_a_snippet_writes_few_files_so_its_writes_stay_bounded_in_all():
     reads = (f"import os\nfor i in range({4 * MAX_FILES_WRITTEN}):\n"
              "    open(os.devnull).close()\nprint('read')")
     assert run_python_snippet(reads, limits).stdout == "read\n"  # reading is not counted
+    again = (f"for i in range({4 * MAX_FILES_WRITTEN}):\n    with open('log', 'a') as f:\n"
+             "        f.write('x')\nprint(len(open('log').read()))")
+    assert run_python_snippet(again, limits).stdout == f"{4 * MAX_FILES_WRITTEN}\n"  # one file
+    moved = (f"import os\nfor i in range({MAX_FILES_WRITTEN + 1}):\n"
+             "    open('a', 'w').write('x' * 1000)\n    os.rename('a', f'b{i}')")
+    assert run_python_snippet(moved, limits).error.endswith(f"more than {MAX_FILES_WRITTEN} files")
+    # a database writes its files from native code, unseen by the count
+    assert run_python_snippet("import sqlite3", limits).error == (
+        "crashed: PermissionError: not allowed in the sandbox: import _sqlite3")
 
 
 def test_extract_code_takes_the_last_fenced_block():

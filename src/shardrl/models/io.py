@@ -222,8 +222,8 @@ def load_state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
     return safetensors_load(data)
 
 
-MAX_HEADER_BYTES = 100 << 20
-"""The largest safetensors header read (the library's own limit)."""
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (the format's limit)."""
 
 
 class StoredSafetensors(Mapping[str, torch.Tensor]):
@@ -271,7 +271,8 @@ class StoredSafetensors(Mapping[str, torch.Tensor]):
         text += b" " * (-len(text) % 8)
         try:
             return safetensors_load(struct.pack("<Q", len(text)) + text + data)[name]
-        except SafetensorError as e:  # a dtype it does not know, a shape its bytes do not fill
+        except (SafetensorError, KeyError, AssertionError, ValueError, TypeError) as e:
+            # a dtype it does not know (or torch lacks), a shape its bytes do not fill
             raise ValueError(f"{self.name}: tensor {name!r} does not decode: {e}") from e
 
     def __iter__(self) -> Iterator[str]:

@@ -196,8 +196,11 @@ class LocalStore(Store):
         path = self._path(key)
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if offset >= size:
+                    return b""
                 f.seek(offset)
-                return f.read(length)
+                return f.read(min(length, size - offset))  # never a buffer past the end
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
             raise NotFound(f"no object {key!r} in {self.uri}") from e
         except OSError as e:

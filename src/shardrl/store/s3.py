@@ -257,7 +257,11 @@ class S3Store(Store):
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         check_range(offset, length)
-        return self._get(key, offset, length)
+        data = self._get(key, offset, length)
+        if len(data) > length:  # the server sent the whole object: where it starts is unknown
+            raise PermanentStoreError(f"get {key!r} in {self.uri} at {self.endpoint}: the "
+                                      f"server ignored the byte range asked for")
+        return data
 
     def _get(self, key: str, offset: int = 0, length: int = 0) -> bytes:
         """The object's bytes from `offset`, `length` of them (0: to its end)."""

@@ -1,12 +1,13 @@
 """Run untrusted reward code in a limited subprocess.
 
-Each call starts `python -I` (isolated: no PYTHON* variables, no user site) in a fresh
+Each call starts `python -I -B` (isolated: no PYTHON* variables, no user site, no bytecode
+written) in a fresh
 temporary working directory with stdin from /dev/null and a minimal environment (PATH,
 LANG, HOME and TMPDIR pointing at the working directory): credentials in the parent's
 environment (AWS_*, SHARDRL_*, MLFLOW_*, ...) are not handed to it. Before any untrusted code
 runs, the child limits itself with RLIMIT_CPU, RLIMIT_AS (address space), RLIMIT_FSIZE
-(bytes written to any file, stdout included; a snippet may open at most `MAX_FILES_WRITTEN`
-files for writing), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
+(bytes written to any file, stdout included; a snippet may write at most `MAX_FILES_WRITTEN`
+files, and no database), RLIMIT_NOFILE (open files) and RLIMIT_CORE=0;
 the parent enforces the wall-clock limit and kills the child's whole process group, also
 when the call is stopped; the kernel kills the child if the parent dies (PR_SET_PDEATHSIG).
 The result comes back as JSON over a private pipe, read as it comes (at most `output_bytes`);
@@ -46,7 +47,7 @@ from typing import Any
 
 MAX_ERROR_CHARS = 500
 MAX_FILES_WRITTEN = 64
-"""Files a snippet may open for writing (each at most `output_bytes`)."""
+"""Files a snippet may write, by name (each at most `output_bytes`)."""
 
 # Runs in the child. argv: request file, result pipe fd. Limits first, then the work. Nothing
 # the guard reads is left where the untrusted code could reach it by name (`import __main__`
@@ -86,7 +87,10 @@ def _guard(snippet):
     if snippet:
         blocked |= {"ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function",
                     "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
-        native = frozenset(("_posixsubprocess", "_ctypes", "posix", "_signal"))
+        # (and no databases, whose files are written by native code, unseen by the count of
+        # files written below)
+        native = frozenset(("_posixsubprocess", "_ctypes", "posix", "_signal", "_sqlite3",
+                            "_dbm", "_gdbm"))
         # a signal by process file descriptor raises no audit event: those calls are
         # replaced, and their modules cannot be imported afresh. Python-level only: a
         # snippet that reaches the interpreter's internals gets past it (the README says so)
@@ -98,19 +102,26 @@ def _guard(snippet):
             if hasattr(mod, name):
                 setattr(mod, name, refused)
     blocked, own = frozenset(blocked), os.getpid()
-    # RLIMIT_FSIZE bounds each file: a snippet may open few files for writing, so that what
-    # it writes stays bounded in all
-    writing, written = (os.O_WRONLY | os.O_RDWR) if snippet else 0, [0]
+    # RLIMIT_FSIZE bounds each file: a snippet may write few files (by name: those it opens
+    # for writing, and those it renames or links files to), so that its writes stay bounded
+    # in all
+    writing, names = (os.O_WRONLY | os.O_RDWR) if snippet else 0, set()
     def guard(event, args):
         if event in blocked or (event in ("os.kill", "os.killpg") and args[0] not in (own, 0)) or (
                 event == "import" and args[0] in native):
             raise PermissionError("not allowed in the sandbox: " + event
                                   + (" " + str(args[0]) if event == "import" else ""))
-        if event == "open" and args[2] & writing and not isinstance(args[0], int):
-            written[0] += 1
-            if written[0] > %(max_files)d:
+        if snippet and ((event == "open" and args[2] & writing and not isinstance(args[0], int))
+                        or event in ("os.rename", "os.link")):
+            name = args[0] if event == "open" else args[1]
+            try:
+                name = os.path.abspath(os.fsdecode(name))
+            except Exception:
+                name = repr(name)
+            if name not in names and len(names) >= %(max_files)d:
                 raise PermissionError("not allowed in the sandbox: writing more than "
                                       "%(max_files)d files")
+            names.add(name)
     sys.addaudithook(guard)
 
 def _main(req, fd):
@@ -300,7 +311,8 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
         proc = None
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOTSTRAP, str(req_path), str(write_fd)],
+                # -B: no bytecode written for the modules the code imports
+                [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(req_path), str(write_fd)],
                 cwd=work,
                 env=clean_env(work),
                 stdin=subprocess.DEVNULL,

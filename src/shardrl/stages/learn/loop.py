@@ -482,6 +482,9 @@ class _Subset(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._names)
 
+    def __contains__(self, name: object) -> bool:  # without reading the entry
+        return name in self._names
+
 
 class Barren:
     """Prompt groups committed in a row without one kept by filtering (admitted shards)."""
