@@ -187,6 +187,37 @@ def test_pass_rate_history_and_retired_set_are_stored_incrementally(tmp_path):
     assert early_reader.refresh() == {"easy"} and RetiredPrompts(store, keys).refresh() == {"easy"}
 
 
+def test_a_retirement_stays_when_the_shard_that_brought_it_is_quarantined_and_prepare_restarts(
+        tmp_path):
+    """A restarted preparer replays the ready shards merged since its snapshot, skipping
+    those the learner quarantined since; a retirement one of them brought was published
+    already, and must not be taken back by the next full set."""
+    from shardrl.stages.rollout import RetiredPrompts
+    from shardrl.store.shards import quarantine
+
+    npr = "algo.filters.no_positive_resampling"
+    opts = (f"{npr}.enabled=true", f"{npr}.window=4", f"{npr}.retire_at=0.75",
+            f"{npr}.min_samples=4")
+    ctx = context(tmp_path, "rollout", *opts)
+    store, keys = ctx.store, ctx.keys
+
+    def shards(post, seqs, easy_right):
+        for seq in seqs:
+            key = keys.rollout(0, 0, seq)
+            table = npr_shard(seq, easy_right=easy_right)
+            scored, ready = post.process(table)
+            post.write(key, table, scored, ready, post.preparer.record(key, ready))
+
+    shards(InlinePostprocess(ctx), [0], easy_right=True)  # "easy" 4 of 4 right: retired
+    assert RetiredPrompts(store, keys).refresh() == {"easy"}
+    quarantine(store, keys.ready_for(keys.rollout(0, 0, 0)), "learn", ValueError("unreadable"))
+    restarted = InlinePostprocess(context(tmp_path, "rollout", *opts))
+    assert restarted.preparer.tracker.retired() == {"easy"}
+    shards(restarted, range(1, 9), easy_right=False)  # through the next snapshot's full set
+    assert store.get_json(store.list(keys.retired_prefix())[-1])["full"]
+    assert RetiredPrompts(store, keys).refresh() == {"easy"}
+
+
 def test_a_recovery_window_longer_than_the_names_remembered_merges_nothing_twice(
         tmp_path, monkeypatch):
     """Ready shards merged so long ago that the preparer's list of recent names dropped

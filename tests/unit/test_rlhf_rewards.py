@@ -86,3 +86,25 @@ def test_gae_rewards_without_kl_in_the_reward():
     rewards = gae_rewards(cfg, table, batch, torch.zeros(3, 3), beta=0.1)
     want = torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.5, 0.0, 0.0]])
     assert torch.allclose(rewards, want, atol=1e-6)
+
+
+def test_an_overflowed_total_is_written_as_zero_and_left_out_of_the_logged_statistics(tmp_path):
+    """A finite score whose shaping overflows float32 (1e38 times alpha 10) trains on
+    nothing; its row used to carry float32's largest value, which the logged means and the
+    advantage maximum then showed as an explosion."""
+    cfg = load_config("demo", ["algo.shaping.alpha=10", "algo.shaping.normalize=false",
+                               "algo.shaping.clip=null", "algo.kl.placement=loss"])
+    logged: list[dict] = []
+    prep = preparer(tmp_path, cfg)
+    prep.ctx.metrics = SimpleNamespace(log=lambda step, values: logged.append(values))
+    table = scored([1e38, 0.0, 1.0], BEHAVIOUR, REF)
+    table = table.set_column(table.schema.get_field_index("group_id"), "group_id",
+                             pa.array(["g0", "g0", "g1"]))
+    ready = prep.prepare(table)
+    assert ready.column("filter_reason").to_pylist()[:2] == ["non_finite", "non_finite"]
+    assert ready.column("reward_total").to_pylist()[:2] == [0.0, 0.0]
+    assert ready.column("advantage").to_pylist()[:2] == [0.0, 0.0]
+    assert ready.column("keep").to_pylist()[:2] == [False, False]
+    # only the third row is usable: its total is 10, its group of one gives advantage 0
+    assert logged[-1]["reward_total_mean"] == pytest.approx(10.0)
+    assert logged[-1]["advantage_abs_max"] == 0.0

@@ -81,6 +81,11 @@ class PassRateTracker:
         at some update."""
         return set(self._retired)
 
+    def keep_retired(self, prompt_ids: Iterable[str]) -> None:
+        """Count `prompt_ids` as retired: those published before a restart whose outcomes
+        the history no longer holds (a ready shard quarantined since)."""
+        self._retired |= set(prompt_ids)
+
     def retired_count(self) -> int:
         return len(self._retired)
 

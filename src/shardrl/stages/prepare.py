@@ -19,7 +19,13 @@ from ..algo import (
     zero_variance_keep,
 )
 from ..store.keys import shard_name, shard_numbers
-from ..store.records import PassRateSnapshot, PrepareState, Progress, RetiredChange
+from ..store.records import (
+    PassRateSnapshot,
+    PrepareState,
+    Progress,
+    RetiredChange,
+    RetiredPrompts,
+)
 from ..store.schemas import READY, SCORED
 from ..store.shards import read_shard, write_shard
 from .batch import POLICY_MASK, padded_column
@@ -94,8 +100,9 @@ def shape_shard(algo, reward_rm: torch.Tensor, group_ids: torch.Tensor, moments:
     reasons = [None if k and f else ("non_finite" if not f else "zero_variance")
                for k, f in zip(keep.tolist(), finite.tolist(), strict=True)]
     keep = keep & finite
-    return (torch.nan_to_num(total).numpy(), torch.nan_to_num(adv).numpy(), keep.numpy(),
-            reasons)
+    # an overflowed row is written as 0, not as float32's largest value: it trains on nothing
+    return (torch.where(finite, total, 0.0).numpy(), torch.where(finite, adv, 0.0).numpy(),
+            keep.numpy(), reasons)
 
 
 @dataclass
@@ -138,7 +145,8 @@ class Preparer:
 
     def _load_history(self) -> None:
         """The pass-rate history: its last snapshot, then the outcomes of the ready shards
-        merged since (a ready shard the learner quarantined since is skipped)."""
+        merged since (a ready shard the learner quarantined since is skipped), and every
+        retirement published: one that shard brought stays, for good."""
         store, keys = self.ctx.store, self.ctx.keys
         if self.snapshot is not None:
             snap = PassRateSnapshot.read(store, keys.passrate_snapshot(self.snapshot))
@@ -148,6 +156,7 @@ class Preparer:
                 table = read_shard(store, key, READY)
                 self.tracker.update(table.column("prompt_id").to_pylist(),
                                     table.column("correct").to_pylist())
+        self.tracker.keep_retired(RetiredPrompts(store, keys).refresh())
 
     def recover(self, low: int, newest: int, only: str = "") -> None:
         """Merge statistics of ready shards written just before a crash but not yet saved
@@ -177,7 +186,7 @@ class Preparer:
         """The ready shard of a scored one. Rows whose reward or logprobs are not finite are
         filtered with their reason and take no part in the statistics or the advantages."""
         out = ready_columns(table, self._shape)
-        valid = np.array([r not in INVALID for r in out.column("filter_reason").to_pylist()],
+        valid = np.array([r not in UNUSABLE for r in out.column("filter_reason").to_pylist()],
                          dtype=bool)  # (B,)
         adv = out.column("advantage").to_numpy()
         keep = out.column("keep").to_numpy(zero_copy_only=False)
@@ -293,8 +302,8 @@ class Preparer:
         return (kl * mask).sum(-1)
 
     def _log(self, table: pa.Table, adv: torch.Tensor, keep: torch.Tensor) -> None:
-        """Metrics of one shard; reward and advantage statistics cover the valid rows only."""
-        valid = [r not in INVALID for r in table.column("filter_reason").to_pylist()]
+        """Metrics of one shard; reward and advantage statistics cover the usable rows only."""
+        valid = [r not in UNUSABLE for r in table.column("filter_reason").to_pylist()]
         total = table.column("reward_total").to_numpy()[valid]
         version = int(table.column("policy_version")[0].as_py())
         values = {
@@ -309,7 +318,8 @@ class Preparer:
         if len(adv):  # none when every row of the shard is invalid
             values.update({
                 "reward_total_mean": float(total.mean()), "reward_total_std": float(total.std()),
-                "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
+                "advantage_mean": float(adv.mean()),
+                "advantage_std": float(adv.std()) if len(adv) > 1 else 0.0,
                 "advantage_abs_max": float(adv.abs().max()),
             })
         self.ctx.metrics.log(version, values)
@@ -317,6 +327,9 @@ class Preparer:
 
 INVALID = ("non_finite_reward", "non_finite_logprobs")
 """filter_reason of rows whose numbers cannot be trained on (kept out of every statistic)."""
+UNUSABLE = (*INVALID, "non_finite")
+"""filter_reason of the rows left out of the logged reward and advantage statistics: those of
+`INVALID`, and rows whose shaped reward or advantage overflowed."""
 
 
 def invalid_rows(table: pa.Table) -> list[str | None]:

@@ -14,9 +14,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..config.stages import StandbyConfig
-from ..store import RunKeys, Store, StoreError
+from ..store import Store, StoreError
 from ..store.keys import parse_shard_key
-from ..store.records import Buffered, Progress, RetiredChange, Taken, WorkerState
+from ..store.records import Buffered, Progress, RetiredPrompts, Taken, WorkerState
 from ..store.schemas import READY, ROLLOUT, TOKENS
 from ..store.shards import ShardError, read_shard, write_shard
 from ..tasks.source import make_task
@@ -631,26 +631,6 @@ def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,
     ctx.log.warning("%d prompt(s) longer than the context skipped: %s", len(too_long), key)
     return ([it for it, ok in zip(items, fits, strict=True) if ok],
             [ids for ids, ok in zip(encoded, fits, strict=True) if ok])
-
-
-class RetiredPrompts:
-    """The prompts No-Positive-Resampling retired, followed from prepare's numbered changes:
-    each refresh lists only the changes after the last one read."""
-
-    def __init__(self, store: Store, keys: RunKeys) -> None:
-        self.store, self.prefix = store, keys.retired_prefix()
-        self.ids: set[str] = set()
-        self.last: str | None = None
-
-    def refresh(self) -> set[str]:
-        for key in self.store.list(self.prefix, start_after=self.last):
-            change = RetiredChange.read(self.store, key, optional=True)
-            self.last = key
-            if change is None:  # replaced by a later full set, which this listing holds
-                continue
-            self.ids = set(change.add) if change.full else (self.ids | set(change.add))
-            self.ids -= set(change.remove)
-        return self.ids
 
 
 def _prompts(ctx: StageContext, task, seq: int, retired: RetiredPrompts | None):

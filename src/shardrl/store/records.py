@@ -29,11 +29,14 @@ errors both ways, so a misspelt field fails where it is written, not where it is
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import TYPE_CHECKING, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .base import NotFound, Store, StoreError, json_bytes
+
+if TYPE_CHECKING:
+    from .keys import RunKeys
 
 
 class Record(BaseModel):
@@ -261,6 +264,26 @@ class RetiredChange(Record):
     remove: list[str] = []
     """Prompts sampled again (retirement is for good now: an empty list, but records that
     name some are still applied)."""
+
+
+class RetiredPrompts:
+    """The prompts No-Positive-Resampling retired, followed from prepare's numbered changes:
+    each refresh lists only the changes after the last one read."""
+
+    def __init__(self, store: Store, keys: RunKeys) -> None:
+        self.store, self.prefix = store, keys.retired_prefix()
+        self.ids: set[str] = set()
+        self.last: str | None = None
+
+    def refresh(self) -> set[str]:
+        for key in self.store.list(self.prefix, start_after=self.last):
+            change = RetiredChange.read(self.store, key, optional=True)
+            self.last = key
+            if change is None:  # replaced by a later full set, which this listing holds
+                continue
+            self.ids = set(change.add) if change.full else (self.ids | set(change.add))
+            self.ids -= set(change.remove)
+        return self.ids
 
 
 class EvalPointer(Record):
