@@ -195,6 +195,14 @@ def test_a_loss_change_is_a_new_run_on_the_same_shards(source, tmp_path, monkeyp
         f"shardrl replay: --to-version {last + 1} is past the run's last committed version, "
         f"{last}")
     assert replay(root, "--set", "rollout.temperature=0.5") == 2  # not a learner change
+    capsys.readouterr()
+    # settings the shards or the ledger fix: recorded in run.json, they would apply to nothing
+    for item in ("algo.filters.zero_variance=false", "algo.shaping.alpha=5",
+                 "learner.total_steps=3", "learner.max_staleness=0", "tracking.enabled=true",
+                 "learner={lr: 0.1}"):
+        assert replay(root, "--set", item) == 2, item
+        assert f"--set {item}: a replay cannot change it" in capsys.readouterr().err
+    assert not [k for k in store.list("runs/") if not k.startswith(f"runs/{RUN}/")]
     assert replay(root, "--set", "algo.loss.kind=gspo", "--run-id", "gspo") == 0
     capsys.readouterr()
     src, gspo = RunKeys(RUN), RunKeys("gspo")
@@ -248,3 +256,17 @@ def test_a_learner_restart_is_repeated_as_it_happened(tmp_path, monkeypatch, cap
     assert replay(root, "--verify", "--run-id", "through") == 3
     assert ReplayCheck.read(store, RunKeys("through").replay_check()).first_difference.version > 1
     capsys.readouterr()
+    for n, d in enumerate(deltas, start=1):  # the ledger as the run wrote it
+        store.put_json(keys.ledger(n), d.model_dump(mode="json"))
+    # another checkpoint schedule lacks the step-2 checkpoint the run resumed from: a
+    # departure, told, and the replay goes on with its own state through every commit
+    assert replay(root, "--set", "learner.ckpt_every=3", "--no-eval", "--run-id", "every3") == 0
+    err = capsys.readouterr().err
+    assert "departed from src's record at v3: the run's learner resumed with the optimizer " \
+        "state of step 2" in err, err
+    assert published(store, "every3")[-1] == 4
+    # a replay that fails leaves nothing of its run behind: the id stays free
+    with pytest.raises(ValueError, match="nowhere"):  # no module of the model matches
+        replay(root, "--set", "learner.lora={target_modules: [nowhere]}", "--run-id", "bad")
+    assert store.list(RunKeys("bad").root) == []
+    assert "objects of run bad it had written are removed" in capsys.readouterr().err

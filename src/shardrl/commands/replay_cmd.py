@@ -12,7 +12,9 @@ import sys
 import time
 
 EXIT_DIFFERENT = 3
-"""Exit status of `--verify` when the replay's weights differ from the run's."""
+"""Exit status of `--verify` when the replay's weights differ from the run's, and of a replay
+without `--set` that departed from the run's record (another KL coefficient, an update
+applied where the run's was skipped, a restart's checkpoint it lacks)."""
 EXIT_UNVERIFIED = 4
 """Exit status of `--verify` when the run kept no version to compare (retention deleted them):
 nothing was shown equal."""
@@ -33,7 +35,7 @@ def run(args) -> int:
     from ..config import ConfigError, RunConfig
     from ..config.loader import apply_override, validate
     from ..stages.context import setup_logging
-    from ..stages.learn.replay import REPLAYABLE, Replay
+    from ..stages.learn.replay import Replay, not_replayed
     from ..store import RunKeys, StoreError, open_store
     from ..store.records import Progress, read_run_json
 
@@ -55,11 +57,11 @@ def run(args) -> int:
         print("shardrl replay: --verify checks an unchanged replay; drop --set or --verify",
               file=sys.stderr)
         return 2
-    outside = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] not in REPLAYABLE]
-    if outside:
-        print(f"shardrl replay: --set may change only {', '.join(REPLAYABLE)} (the replay trains "
-              f"on the run's shards from its v0), not {', '.join(outside)}", file=sys.stderr)
-        return 2
+    for item in args.overrides:
+        if (why := not_replayed(item)) is not None:
+            print(f"shardrl replay: --set {item}: a replay cannot change it: {why}",
+                  file=sys.stderr)
+            return 2
     setup_logging("replay", 0)  # once the run is found: the replay logs as a stage does
     try:
         run_json = read_run_json(store, source.run_json())
@@ -88,17 +90,27 @@ def run(args) -> int:
     target = args.run_id or f"{args.run}-replay-{time.strftime('%Y%m%d-%H%M%S')}"
     replay = Replay(store, args.run, target, cfg, tuple(args.overrides), args.to_version,
                     args.verify)
-    replay.start_run(run_json)
     started = time.monotonic()
-    check = replay.run()
+    try:
+        replay.start_run(run_json)
+        check = replay.run()
+    except BaseException:
+        removed = replay.remove_started()  # nothing half-written keeps the id taken
+        if removed:
+            print(f"shardrl replay: the replay failed; the {removed} objects of run {target} "
+                  "it had written are removed", file=sys.stderr, flush=True)
+        raise
     print(f"replay {target}: {args.run} re-learnt in {time.monotonic() - started:.1f} s",
           flush=True)
+    for why in replay.departures if not args.verify else ():
+        print(f"replay {target}: departed from {args.run}'s record at {why}", file=sys.stderr,
+              flush=True)
     if args.overrides and not args.no_eval:
         started = time.monotonic()
         replay.evaluate()
         print(f"replay {target}: evaluated in {time.monotonic() - started:.1f} s", flush=True)
-    if not args.verify:
-        return 0
+    if not args.verify:  # unchanged settings that departed: not the run's learner again
+        return EXIT_DIFFERENT if replay.departures and not args.overrides else 0
     print(f"verify: compared {spans(check.checked) or 'no version'}"
           + (f"; deleted by retention: {spans(check.missing)}" if check.missing else ""))
     if check.divergence:

@@ -47,8 +47,33 @@ from .buffer import COLUMNS, Batch
 
 log = logging.getLogger("shardrl.replay")
 
-REPLAYABLE = ("algo", "learner", "eval", "doctor", "tracking", "promote", "name")
+REPLAYABLE = ("algo", "learner", "eval", "doctor", "name")
 """Config sections `--set` may change: a replay trains on the source's shards from its v0."""
+
+NOT_REPLAYED = {
+    "algo.filters": "prepare applied them to the shards the replay reads",
+    "algo.shaping": "prepare applied it to the shards the replay reads",
+    "learner.total_steps": "the replay takes the run's commits (--to-version stops earlier)",
+    "learner.batch_prompts": "the run's ledger says which shards each step took",
+    "learner.max_staleness": "the run's ledger says which shards each step took",
+    "learner.halve_staleness_at": "the run's ledger says which shards each step took",
+}
+"""Settings inside those sections that a replay cannot change, and why: the shards it reads
+and the steps it takes are the run's."""
+
+
+def not_replayed(override: str) -> str | None:
+    """Why `--set KEY=VALUE` cannot apply to a replay (None when it can): a section outside
+    `REPLAYABLE`, a setting of `NOT_REPLAYED`, or a whole section holding one."""
+    key = override.split("=", 1)[0].strip()
+    if key.split(".")[0] not in REPLAYABLE:
+        return f"only {', '.join(REPLAYABLE)} may change (the replay trains on the run's shards)"
+    for fixed, why in NOT_REPLAYED.items():
+        if key == fixed or key.startswith(fixed + "."):
+            return why
+        if fixed.startswith(key + "."):
+            return f"it holds {fixed}, which cannot change: {why}; set the keys one by one"
+    return None
 
 
 class ReplayCores:
@@ -121,6 +146,10 @@ class Replay:
     def __post_init__(self) -> None:
         self.src, self.dst = RunKeys(self.source), RunKeys(self.target)
         self.check = ReplayCheck(source=self.source)
+        self.started = False
+        """Whether `start_run` began writing the new run (`remove_started` may delete it)."""
+        self.departures: list[str] = []
+        """Where the replay departed from the run's record (a verify stops at the first)."""
 
     # -- the new run ------------------------------------------------------------------------
     def start_run(self, run_json: dict) -> None:
@@ -129,8 +158,9 @@ class Replay:
         from ... import __version__
 
         store, src, dst = self.store, self.src, self.dst
-        if store.exists(dst.run_json()):
+        if store.exists(dst.run_json()) or store.list(dst.root, limit=1):
             raise SystemExit(f"run {self.target} exists already: choose another --run-id")
+        self.started = True
         for prefix, to in ((src.ref_prefix(), dst.ref_prefix()),
                            (src.policy_prefix(0), dst.policy_prefix(0))):
             keys = store.list(prefix)
@@ -144,6 +174,16 @@ class Replay:
             "run_id": self.target, "version": __version__, "created": time.time(),
             "config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
             "sft": run_json.get("sft"), "snapshot_seconds": 0.0, "replay_of": self.source})
+
+    def remove_started(self) -> int:
+        """Delete what `start_run` and `run` wrote of the new run (a replay that failed:
+        the target did not exist before `start_run`); how many objects."""
+        if not self.started:
+            return 0
+        keys = self.store.list(self.dst.root)
+        for key in sorted(keys, key=lambda k: k == self.dst.run_json()):  # run.json last
+            self.store.delete(key)
+        return len(keys)
 
     def context(self) -> StageContext:
         ctx = StageContext(stage="learn", cfg=self.cfg, run_id=self.target, store=self.store,
@@ -165,7 +205,7 @@ class Replay:
         learner = Learner(ctx)
         try:
             for delta in deltas:
-                if not self._commit(learner, delta) and self.verify:
+                if not self._commit(learner, delta):  # a verify that found a difference
                     break
             learner.writer.wait()
             Done(steps=learner.version, counts=dict(learner.ledger.counts), time=time.time(),
@@ -179,28 +219,33 @@ class Replay:
         return self.check
 
     def _commit(self, learner, delta: LedgerDelta) -> bool:
-        """Repeat one recorded commit; False when the replay departs from the record."""
+        """Repeat one recorded commit; False when a verify stops (the replay departs from
+        the record, or its weights differ). Without `verify` a departure is recorded and the
+        commit still made, so that every commit of the run is replayed."""
         if delta.restart is not None and not self._restart(learner, delta):
             return False
         batch: Batch = [(e.key, read_shard(self.store, e.key, READY, COLUMNS), e.outcome)
                         for e in delta.shards]
         if any(outcome == "admitted" for _, _, outcome in batch):
             at = learner.version
-            if delta.beta is not None and learner.kl.beta != delta.beta and not self.overrides:
-                return self._diverged(f"v{at}: KL coefficient {learner.kl.beta!r}, the run "
-                                      f"used {delta.beta!r}")
+            if (delta.beta is not None and learner.kl.beta != delta.beta and not self.overrides
+                    and not self._diverged(f"v{at}: KL coefficient {learner.kl.beta!r}, the "
+                                           f"run used {delta.beta!r}")):
+                return False
             learner.ctx.cores.use(delta.threads)
             # a `--once` round always steps
             applied = learner.step(batch, every_round=delta.stepped)
             stepped = learner.version > at
-            if stepped != delta.stepped and not self.overrides:
-                return self._diverged(f"v{at}: the step was {'applied' if stepped else 'skipped'}"
-                                      f", the run's was not")
-            if delta.applied is not None and applied != delta.applied and not self.overrides:
-                # a `--once` round publishes either way: only the update itself tells
-                return self._diverged(f"v{at}: the update was {'applied' if applied else 'skipped'}"
-                                      f" (the weights {'changed' if applied else 'kept'}), the "
-                                      "run's was not")
+            if stepped != delta.stepped and not self.overrides and not self._diverged(
+                    f"v{at}: the step was {'applied' if stepped else 'skipped'}, the run's "
+                    "was not"):
+                return False
+            if (delta.applied is not None and applied != delta.applied and not self.overrides
+                    # a `--once` round publishes either way: only the update itself tells
+                    and not self._diverged(
+                        f"v{at}: the update was {'applied' if applied else 'skipped'} (the "
+                        f"weights {'changed' if applied else 'kept'}), the run's was not")):
+                return False
             if stepped and self.verify:
                 return self._compare(learner, learner.version)
         else:
@@ -209,8 +254,9 @@ class Replay:
 
     def _restart(self, learner, delta: LedgerDelta) -> bool:
         """The source's learner restarted here: resume as it did, weights from the last
-        version and optimizer moments from the checkpoint it found; False when the replay
-        has no such checkpoint (the source's came from another schedule)."""
+        version and optimizer moments from the checkpoint it found. When the replay has no
+        such checkpoint (another `learner.ckpt_every`), a departure: the replay goes on with
+        its own state unless it verifies."""
         wanted = delta.restart.checkpoint
         if wanted is not None and wanted == learner.version:
             return True  # a checkpoint of the state itself (a `--once` round): nothing changes
@@ -233,8 +279,12 @@ class Replay:
         return self.check.first_difference is None
 
     def _diverged(self, why: str) -> bool:
-        self.check.divergence = why
-        return False
+        """Record a departure from the run's record; whether the replay goes on (not when
+        it verifies: it stops at the first)."""
+        if self.check.divergence is None:
+            self.check.divergence = why
+        self.departures.append(why)
+        return not self.verify
 
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self) -> None:
