@@ -313,6 +313,26 @@ def test_tokenizer_mismatch_between_policy_and_reference_stops_the_snapshot(run,
     assert store.list(RunKeys(fresh).root) == []  # nothing half-published
 
 
+@pytest.mark.parametrize(("change", "field", "said"), [
+    ({"model.reference": "initail"}, "model.reference", "does not exist"),
+    ({"learner.lora": {"target_modules": ["nowhere"]}}, "learner.lora.target_modules",
+     "names no module of the model; its modules are named"),
+])
+def test_a_setting_the_snapshot_can_check_fails_it_before_training(run, change, field, said):
+    """A reference that is no folder (it would be looked up on the Hugging Face hub) and
+    LoRA targets the model lacks used to fail only after SFT, or in the learner, which the
+    runner then restarted in vain."""
+    from shardrl.config import ConfigError
+
+    store, cfg, run_id, _ = run
+    cfg = replace(cfg, {**change, "model.sft.enabled": True})
+    fresh = run_id + "-fresh"
+    with pytest.raises(ConfigError) as info:
+        run_stage(store, cfg, fresh, "snapshot")
+    assert [e.path for e in info.value.errors] == [field] and said in str(info.value)
+    assert store.list(RunKeys(fresh).root) == []
+
+
 @pytest.mark.parametrize("head", ["causal-lm", "two-labels"])
 def test_reward_model_with_the_wrong_head_is_refused(run, tmp_path, head):
     from transformers import LlamaForSequenceClassification

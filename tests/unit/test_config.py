@@ -145,6 +145,33 @@ def test_extends_file_and_overrides(tmp_path):
     assert not hasattr(cfg.algo.loss, "eps_high")
 
 
+def test_yaml_merge_keys_work_and_keys_given_twice_are_still_refused(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("extends: demo\nx-limits: &limits {cpu_seconds: 3.0, wall_seconds: 6.0}\n"
+                 "reward:\n  sandbox: {<<: *limits, wall_seconds: 7.0}\n")
+    from shardrl.config.loader import load_raw
+
+    data = load_raw(f)
+    data.pop("x-limits")
+    sandbox = validate(data).reward.sandbox
+    assert (sandbox.cpu_seconds, sandbox.wall_seconds) == (3.0, 7.0)
+    f.write_text("extends: demo\nlearner: {lr: 0.1}\nlearner: {lr: 0.2}\n")
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_config(f)
+
+
+def test_overrides_that_switch_a_variant_do_not_depend_on_their_order():
+    """A setting of the new variant given before the switch used to be dropped silently."""
+    for items in (["algo.loss.eps_low=0.001", "algo.loss.kind=gspo"],
+                  ["algo.loss.kind=gspo", "algo.loss.eps_low=0.001"]):
+        loss = load_config("demo", items).algo.loss
+        assert (loss.kind, loss.eps_low) == ("gspo", 0.001), items
+    # the same key twice: the later wins, as before
+    assert load_config("demo", ["learner.lr=0.1", "learner.lr=0.2"]).learner.lr == 0.2
+    assert load_config("demo", ["algo.loss.kind=gspo", "algo.loss.kind=cispo"]).algo.loss.kind \
+        == "cispo"
+
+
 def test_unknown_preset_suggests(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("extends: scalrl\n")

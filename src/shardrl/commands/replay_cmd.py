@@ -33,7 +33,7 @@ def spans(versions: list[int]) -> str:
 
 def run(args) -> int:
     from ..config import ConfigError, RunConfig
-    from ..config.loader import apply_override, validate
+    from ..config.loader import apply_overrides, validate
     from ..stages.context import setup_logging
     from ..stages.learn.replay import Replay, not_replayed
     from ..store import RunKeys, StoreError, open_store
@@ -70,9 +70,7 @@ def run(args) -> int:
         return 1
     data = as_recorded(run_json["config"])
     try:
-        for item in args.overrides:
-            data = apply_override(data, item)
-        cfg = validate(data, f"{args.run}/run.json")
+        cfg = validate(apply_overrides(data, args.overrides), f"{args.run}/run.json")
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -53,6 +53,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys yield
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -128,6 +130,17 @@ def _switches_variant(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return any(k in old and k in new and old[k] != new[k] for k in _DISCRIMINATORS)
 
 
+def apply_overrides(data: dict[str, Any], assignments: list[str] | tuple[str, ...],
+                    ) -> dict[str, Any]:
+    """Apply `a.b.c=value` items to a raw config mapping as one patch, so that their order
+    does not matter unless they set the same key: `algo.loss.eps_low=0.001` before
+    `algo.loss.kind=gspo` keeps its value in the new variant, as it does after it."""
+    patch: dict[str, Any] = {}
+    for item in assignments:
+        patch = apply_override(patch, item)
+    return deep_merge(data, patch)
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     """Apply `a.b.c=value` (value parsed as YAML) to a raw config mapping."""
     if "=" not in assignment:
@@ -155,10 +168,7 @@ def load_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> d
             p = PRESET_DIR / f"{path}.yaml"
         else:
             raise ConfigError(str(path), [FieldError("", "file not found")])
-    data = _load_raw(p.resolve())
-    for item in overrides:
-        data = apply_override(data, item)
-    return data
+    return apply_overrides(_load_raw(p.resolve()), overrides)
 
 
 def validate(data: dict[str, Any], source: str = "<config>") -> RunConfig:

@@ -23,7 +23,7 @@ from ..config import ConfigError, RunConfig, load_config
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent, process_identity, still_running
 from ..redact import redacted
-from ..stages import EXIT_STORE_UNAVAILABLE
+from ..stages import EXIT_CONFIG, EXIT_STORE_UNAVAILABLE
 from ..stages import channel as weights_channel
 from ..stages.context import release_cache, retry_policy
 from ..stages.cores import CORES_ENV, SHARE_ENV
@@ -673,10 +673,12 @@ def store_down(lr: LocalRun, monitor, exc: BaseException) -> int:
     return EXIT_STORE_UNAVAILABLE
 
 
-def abort(lr: LocalRun, p: Proc, code: int) -> None:
-    """Write the run's abort marker for stage `p`, out of restarts: every looping stage stops
-    on it, also one this runner does not own (a stage started by hand, say)."""
-    reason = f"out of restarts (pipeline.max_restarts = {lr.cfg.pipeline.max_restarts}); see {p.log}"
+def abort(lr: LocalRun, p: Proc, code: int, reason: str | None = None) -> None:
+    """Write the run's abort marker for stage `p`, out of restarts unless `reason` says
+    otherwise: every looping stage stops on it, also one this runner does not own (a stage
+    started by hand, say)."""
+    reason = (reason or f"out of restarts (pipeline.max_restarts = "
+              f"{lr.cfg.pipeline.max_restarts})") + f"; see {p.log}"
     Aborted(stage=p.name, worker=p.worker, exit_code=code, restarts=p.restarts, reason=reason,
             time=time.time()).write_first(lr.store, lr.keys.aborted())
 
@@ -717,6 +719,13 @@ def supervise(lr: LocalRun, monitor, interrupted) -> int:
                 release_cache(lr.run_id)  # the model files of the process that ended
                 if code == EXIT_STORE_UNAVAILABLE:
                     lr.store.exists(lr.keys.run_json())  # raises StoreUnavailable if still down
+                if code == EXIT_CONFIG:  # the same config would fail the same way again
+                    monitor.say(f"{p.name} found the run's config invalid{last_error(p.log)}; "
+                                f"see {p.log}. Stopping the run: a resumed run keeps its "
+                                "config, so start a new one with the setting fixed.")
+                    abort(lr, p, code, "the run's config is invalid")
+                    lr.stop_all()
+                    return 1
                 if p.restarts >= limit:
                     monitor.say(f"{p.name} failed {p.restarts + 1} times (exit {code})"
                                 f"{last_error(p.log)}; see {p.log}. Stopping the run (resume "

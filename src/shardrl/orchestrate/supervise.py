@@ -2,8 +2,8 @@
 
 The compiled pipelines run every looping stage under this supervisor. It starts the stage as
 a child process (the same command line without `--supervise`) and restarts it when it exits
-with an error, after the local runner's backoff (`restart_delay`: 1, 2, 4, ... 30 s), at most
-`pipeline.max_restarts` times. A stage therefore comes back within seconds, however long it has
+with an error (not when it found the run's config invalid: status 2), after the local
+runner's backoff (`restart_delay`: 1, 2, 4, ... 30 s), at most `pipeline.max_restarts` times. A stage therefore comes back within seconds, however long it has
 run, without waiting for the cluster's retry policy (which measures its window from the
 task's first start and does not cover evictions).
 
@@ -106,8 +106,9 @@ def run(args) -> int:
                 log.error("object store still unavailable (%s): not restarting %s", exc,
                           args.name)
                 return EXIT_STORE_UNAVAILABLE
-        if restarts >= limit:
-            reason = f"out of restarts (pipeline.max_restarts = {limit}); see its log"
+        if restarts >= limit or code == EXIT_CONFIG:  # the same config fails the same way
+            reason = ("the run's config is invalid; see its log" if code == EXIT_CONFIG else
+                      f"out of restarts (pipeline.max_restarts = {limit}); see its log")
             marker = Aborted(stage=args.name, worker=args.worker, exit_code=exit_status(code),
                              restarts=restarts, reason=reason, time=time.time())
             marker = marker.write_first(store, keys.aborted())

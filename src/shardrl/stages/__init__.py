@@ -96,3 +96,6 @@ def run(args) -> int:
     except StoreUnavailable as exc:
         ctx.log.error("giving up: %s", exc)
         return EXIT_STORE_UNAVAILABLE
+    except ConfigError as exc:  # found only now (a model's modules, a folder): no restart
+        ctx.log.error("invalid config: %s", "; ".join(str(e) for e in exc.errors))
+        return EXIT_CONFIG

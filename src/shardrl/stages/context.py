@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from ..config import RunConfig, load_config, validate
-from ..config.loader import apply_override, parse_yaml, resolve_mapping
+from ..config.loader import apply_overrides, parse_yaml, resolve_mapping
 from ..lifetime import running
 from ..quiet import quiet_libraries
 from ..redact import redact_tracebacks, redacted
@@ -43,9 +43,7 @@ def load_stage_config(value: str, overrides: list[str] | tuple[str, ...] = ()) -
         value.lstrip().startswith("{") or _one_line_config(value)))
     if inline:
         data = resolve_mapping(parse_yaml(value, "<inline config>"))
-        for item in overrides:
-            data = apply_override(data, item)
-        return validate(data, "<inline config>")
+        return validate(apply_overrides(data, overrides), "<inline config>")
     return load_config(value, overrides)
 
 

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..config import ConfigError, FieldError
 from ..config.model import PretrainedModel
 from ..models.io import (
+    UnsafeWeightsError,
     check_safe_weights_dir,
     check_tokenizers_match,
     directory_manifest,
@@ -39,9 +41,13 @@ def main(ctx: StageContext) -> int:
         return 0
     task = make_task(cfg)
     started = time.time()
+    _check_folder(cfg.model.reference, "model.reference", "or 'initial' or 'none'")
+    if isinstance(cfg.model.source, PretrainedModel):
+        _check_folder(cfg.model.source.path, "model.source.path")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, tokenizer = _initial_model(ctx, task, work)
+        _check_lora_targets(cfg, model)  # before SFT: the learner would fail on them after it
         prompt_format = PromptFormat.from_config(cfg)
         prompt_format.check(tokenizer)  # before any training: rollout would refuse it too
         ctx.log.info("policy has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
@@ -78,6 +84,34 @@ def main(ctx: StageContext) -> int:
         ctx.metrics.log(0, {"sft_val_loss": sft_info["best_val_loss"],
                             "sft_epochs": sft_info["epochs"]})
     return 0
+
+
+def _check_folder(path: str, field: str, alternatives: str = "") -> None:
+    """ConfigError unless `path` is a folder of safetensors weights (a name that is not a
+    folder would be looked up on the Hugging Face hub)."""
+    if field == "model.reference" and path in ("initial", "none"):
+        return
+    try:
+        check_safe_weights_dir(path)
+    except (FileNotFoundError, UnsafeWeightsError) as exc:
+        raise ConfigError("the run's config", [FieldError(
+            field, f"{exc}{f' ({alternatives})' if alternatives else ''}")]) from exc
+
+
+def _check_lora_targets(cfg, model) -> None:
+    """ConfigError when `learner.lora.target_modules` names no module of the policy (what
+    peft refuses: a module is a target when its name is one of them or ends with '.' and
+    one of them)."""
+    if (lora := cfg.learner.lora) is None:
+        return
+    names = [name for name, _ in model.named_modules()]
+    if any(name == t or name.endswith("." + t) for name in names for t in lora.target_modules):
+        return
+    known = sorted({last for name in names if name
+                    and not (last := name.rsplit(".", 1)[-1]).isdigit()})
+    raise ConfigError("the run's config", [FieldError(
+        "learner.lora.target_modules", f"{list(lora.target_modules)} names no module of the "
+        f"model; its modules are named {', '.join(known[:16])}")])
 
 
 def _initial_model(ctx: StageContext, task, work: Path):

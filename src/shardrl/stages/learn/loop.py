@@ -67,10 +67,15 @@ class Learner:
         ctx.wait_for_policy(cfg.learner.poll_interval_s)
         self.model, tok = base.take()
         if (lora := cfg.learner.lora) is not None:  # adapters on the frozen v0 weights
+            from ...config import ConfigError, FieldError
             from ...models.lora import add_lora
 
-            self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
-                                  lora.target_modules, seed=cfg.seed)
+            try:
+                self.model = add_lora(self.model, lora.r, lora.alpha, lora.dropout,
+                                      lora.target_modules, seed=cfg.seed)
+            except ValueError as exc:  # peft: no module of the model is a target
+                raise ConfigError("the run's config", [FieldError(
+                    "learner.lora.target_modules", " ".join(str(exc).split()))]) from exc
         if off := disable_dropout(self.model):  # as the engines sample (see `models.dropout`)
             ctx.log.info("dropout off in %d module(s) of the policy while it trains", off)
         checkpoint_activations(cfg, self.model)
