@@ -281,7 +281,9 @@ def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
 def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):
     store, cfg, run_id, _ = run
     cfg = replace(cfg, {"rollout.max_new_tokens": 31})  # 1 token left of the 32 for a prompt
-    with pytest.raises(RuntimeError, match="longer than the context"):
+    from shardrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="longer than the context"):  # not restarted
         run_stage(store, cfg, run_id, "rollout")
     keys = RunKeys(run_id)
     assert shards_by_name(store, keys, ("rollouts", "ready")) == {}

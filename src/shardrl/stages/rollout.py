@@ -140,11 +140,15 @@ def main(ctx: StageContext) -> int:
                     skipped = 0
                     continue
                 skipped += 1
-                if skipped >= MAX_EMPTY_SHARDS:
-                    raise RuntimeError(
-                        f"{skipped} rollout shards in a row had only prompts longer than the context "
-                        f"({engine.context} tokens with max_new_tokens {rc.max_new_tokens}): shorten "
-                        "the prompts, lower rollout.max_new_tokens or use a model with a longer context")
+                if skipped >= MAX_EMPTY_SHARDS:  # a setting to change: no restart would help
+                    from ..config import ConfigError, FieldError
+
+                    raise ConfigError("the run's config", [FieldError(
+                        "rollout.max_new_tokens",
+                        f"{skipped} rollout shards in a row had only prompts longer than the "
+                        f"context ({engine.context} tokens with max_new_tokens "
+                        f"{rc.max_new_tokens}): shorten the prompts, lower "
+                        "rollout.max_new_tokens or use a model with a longer context")])
             if not shards:
                 continue
             started, cpu_started = time.monotonic(), time.thread_time()
