@@ -18,6 +18,20 @@ def test_outranked_by_metric_then_newer_or_by_newer_only():
     assert outranked(10, s, "last") and not outranked(30, s, "last")
 
 
+def test_a_nan_metric_ranks_below_every_number_for_retention_and_promotion_alike():
+    """A version whose metric is NaN was never outranked, so retention kept it and its chain
+    for good, and promotion's max() could pick it, depending on the order of the versions."""
+    from shardrl.stages.promote import choose
+
+    nan = float("nan")
+    s = {0: 0.5, 10: nan, 20: 0.7}
+    assert outranked(10, s, "best") and not outranked(20, s, "best")
+    for order in ([0, 10, 20], [10, 20, 0], [20, 0, 10]):
+        summaries = {v: {"pass_at_1": s[v]} for v in order}
+        assert choose(summaries, "pass_at_1", "best") == 20
+    assert choose({10: {"pass_at_1": nan}, 20: {"pass_at_1": nan}}, "pass_at_1", "best") == 20
+
+
 def present(store: LocalStore, keys: RunKeys) -> list[int]:
     prefix = keys.root + "policy/"
     return sorted({int(k[len(prefix) + 1:].split("/")[0]) for k in store.list(prefix)})

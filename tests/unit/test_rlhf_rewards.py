@@ -108,3 +108,17 @@ def test_an_overflowed_total_is_written_as_zero_and_left_out_of_the_logged_stati
     # only the third row is usable: its total is 10, its group of one gives advantage 0
     assert logged[-1]["reward_total_mean"] == pytest.approx(10.0)
     assert logged[-1]["advantage_abs_max"] == 0.0
+
+
+def test_a_group_whose_shaped_rewards_are_equal_is_filtered_like_one_whose_scores_are(tmp_path):
+    """Clipping can make a group's different scores equal: its advantages are all 0, so it
+    is no signal, and counting it as kept would fill steps with nothing to learn from."""
+    cfg = load_config("demo", ["algo.shaping.normalize=false", "algo.shaping.clip=0.5",
+                               "algo.kl.placement=loss"])
+    table = scored([1.0, 2.0, 0.25, 0.5], [[-1.0]] * 4, [[-1.0]] * 4)
+    table = table.set_column(table.schema.get_field_index("group_id"), "group_id",
+                             pa.array(["g0", "g0", "g1", "g1"]))
+    ready = preparer(tmp_path, cfg).prepare(table)
+    assert ready.column("reward_total").to_pylist() == [0.5, 0.5, 0.25, 0.5]
+    assert ready.column("keep").to_pylist() == [False, False, True, True]
+    assert ready.column("filter_reason").to_pylist() == ["zero_variance"] * 2 + [None] * 2

@@ -94,6 +94,9 @@ def shape_shard(algo, reward_rm: torch.Tensor, group_ids: torch.Tensor, moments:
         adv = torch.zeros_like(total)
     if algo.filters.zero_variance:
         keep = zero_variance_keep(reward_rm, group_ids, algo.filters.zero_variance_tol)
+        if algo.advantages.estimator == "group":  # shaping (a clip) can make unequal scores
+            # equal: such a group's advantages are all 0, no signal either
+            keep &= zero_variance_keep(total, group_ids, algo.filters.zero_variance_tol)
     else:
         keep = torch.ones_like(reward_rm, dtype=torch.bool)
     finite = torch.isfinite(total) & torch.isfinite(adv)

@@ -16,6 +16,7 @@ from .context import StageContext
 from .evaluate import NOT_FIGURES
 from .evaluate import summaries as evaluated
 from .policy import WEIGHTS, download_folder, fetch_weights
+from .retention import ranking
 
 SETUP_TAG = "shardrl.eval_setup"
 """A registered version's evaluation setup (`evaluate.eval_setup`): what its metric was
@@ -32,7 +33,7 @@ def choose(summaries: dict[int, dict], metric: str, how: str) -> int:
     """The version to register: the best by `metric` (latest among equals) or the last."""
     if how == "last":
         return max(summaries)
-    return max(summaries, key=lambda v: (summaries[v][metric], v))
+    return max(summaries, key=lambda v: ranking(summaries[v][metric], v))
 
 
 def main(ctx: StageContext) -> int:

@@ -16,6 +16,8 @@ evaluated one with its chain, however long it runs.
 
 from __future__ import annotations
 
+import math
+
 from ..config import RunConfig
 from ..store import RunKeys, Store
 from ..store.keys import folder_number
@@ -24,13 +26,19 @@ from .policy import full_base
 from .staleness import gc_horizon
 
 
+def ranking(metric: float, version: int) -> tuple[float, int]:
+    """How promotion orders evaluated versions under `choose: best`: by their metric, a NaN
+    below every number, then the later version."""
+    return (-math.inf if math.isnan(metric) else metric, version)
+
+
 def outranked(version: int, summaries: dict[int, float], how: str) -> bool:
     """Whether promotion (`how`: best or last) prefers another of the evaluated `summaries`
     ({version: metric}) over `version` (which is one of them)."""
     if how == "last":
         return any(v > version for v in summaries)
-    mine = (summaries[version], version)
-    return any((m, v) > mine for v, m in summaries.items())
+    mine = ranking(summaries[version], version)
+    return any(ranking(m, v) > mine for v, m in summaries.items())
 
 
 class Retention:
