@@ -217,6 +217,13 @@ def test_a_retirement_stays_when_the_shard_that_brought_it_is_quarantined_and_pr
     assert store.get_json(store.list(keys.retired_prefix())[-1])["full"]
     assert RetiredPrompts(store, keys).refresh() == {"easy"}
 
+    # a ready shard of the replay that does not read: left out, with a warning, instead of
+    # failing every restart until the learner quarantines it
+    state = store.get_json(restarted.preparer.state_key)
+    store.put_bytes(state["replay"][-1], b"not parquet")
+    again = InlinePostprocess(context(tmp_path, "rollout", *opts))
+    assert again.preparer.tracker.retired() == {"easy"}
+
 
 def test_a_recovery_window_longer_than_the_names_remembered_merges_nothing_twice(
         tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from ..store.records import (
     RetiredPrompts,
 )
 from ..store.schemas import READY, SCORED
-from ..store.shards import read_shard, write_shard
+from ..store.shards import ShardError, read_shard, write_shard
 from .batch import POLICY_MASK, padded_column
 from .context import StageContext
 from .scan import Scanner, output_names, process_shards
@@ -155,8 +155,7 @@ class Preparer:
             snap = PassRateSnapshot.read(store, keys.passrate_snapshot(self.snapshot))
             self.tracker.load_state_dict(snap.model_dump())
         for key in self.replay:
-            if store.exists(key):
-                table = read_shard(store, key, READY)
+            if store.exists(key) and (table := self._readable(key)) is not None:
                 self.tracker.update(table.column("prompt_id").to_pylist(),
                                     table.column("correct").to_pylist())
         self.tracker.keep_retired(RetiredPrompts(store, keys).refresh())
@@ -171,10 +170,21 @@ class Preparer:
         for version in range(low, newest + 1):
             for key in self.ctx.store.list(keys.version_prefix("ready", version)):
                 if (shard_name(key) not in known and shard_name(key).startswith(only)
-                        and not self._forgotten(key)):
+                        and not self._forgotten(key)
+                        and (ready := self._readable(key)) is not None):
                     self.ctx.log.info("recovering statistics of %s", key)
-                    self.merged(key, read_shard(self.ctx.store, key, READY),
-                                update_moments=True)
+                    self.merged(key, ready, update_moments=True)
+
+    def _readable(self, key: str) -> pa.Table | None:
+        """Ready shard `key`, or None when it does not read (the learner quarantines it and
+        trains on none of it, so its statistics are left out too, with a warning): a
+        preparer that raised here would fail at every restart until then."""
+        try:
+            return read_shard(self.ctx.store, key, READY)
+        except ShardError as exc:
+            self.ctx.log.warning("ready shard %s does not read, its statistics are left out "
+                                 "(%s)", key, exc)
+            return None
 
     def _forgotten(self, key: str) -> bool:
         """Whether ready shard `key` was merged so long ago that `recent` no longer names it
