@@ -199,7 +199,7 @@ def test_a_loss_change_is_a_new_run_on_the_same_shards(source, tmp_path, monkeyp
     # settings the shards or the ledger fix: recorded in run.json, they would apply to nothing
     for item in ("algo.filters.zero_variance=false", "algo.shaping.alpha=5",
                  "learner.total_steps=3", "learner.max_staleness=0", "tracking.enabled=true",
-                 "learner={lr: 0.1}"):
+                 "learner={lr: 0.1}", "algo.advantages.norm=batch", "algo.kl.placement=loss"):
         assert replay(root, "--set", item) == 2, item
         assert f"--set {item}: a replay cannot change it" in capsys.readouterr().err
     assert not [k for k in store.list("runs/") if not k.startswith(f"runs/{RUN}/")]

@@ -319,6 +319,8 @@ def test_tokenizer_mismatch_between_policy_and_reference_stops_the_snapshot(run,
     ({"model.reference": "initail"}, "model.reference", "does not exist"),
     ({"learner.lora": {"target_modules": ["nowhere"]}}, "learner.lora.target_modules",
      "names no module of the model; its modules are named"),
+    ({"learner.lora": {"target_modules": ["q_proj", "mlp"]}}, "learner.lora.target_modules",
+     "a LlamaMLP, which LoRA does not adapt"),
 ])
 def test_a_setting_the_snapshot_can_check_fails_it_before_training(run, change, field, said):
     """A reference that is no folder (it would be looked up on the Hugging Face hub) and

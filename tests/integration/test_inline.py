@@ -225,6 +225,40 @@ def test_a_retirement_stays_when_the_shard_that_brought_it_is_quarantined_and_pr
     assert again.preparer.tracker.retired() == {"easy"}
 
 
+def test_a_retired_change_written_before_a_crash_is_never_written_over(tmp_path):
+    """A crash between a retired change and the state that counts it: the restarted
+    preparer knows that change's prompts from the store, so merging its shard again retires
+    nothing new, and the next change must still be numbered past it."""
+    from shardrl.stages.rollout import RetiredPrompts
+
+    npr = "algo.filters.no_positive_resampling"
+    opts = (f"{npr}.enabled=true", f"{npr}.window=4", f"{npr}.retire_at=0.75",
+            f"{npr}.min_samples=4")
+    ctx = context(tmp_path, "prepare", *opts)
+    store, keys = ctx.store, ctx.keys
+    post = InlinePostprocess(context(tmp_path / "other", "rollout", *opts))
+
+    def ready(seq: int, solved: str) -> tuple[str, pa.Table]:
+        table = npr_shard(seq, easy_right=True)
+        table = table.set_column(0, "prompt_id", pa.array(
+            [solved if p == "easy" else p for p in table.column("prompt_id").to_pylist()]))
+        key = keys.rollout(0, 0, seq)
+        out = post.process(table)[1]
+        write_shard(store, keys.ready_for(key), out, READY)
+        return key, out
+
+    key, out = ready(0, "a")
+    n, change = Preparer(ctx).record(key, out).retired
+    change.write(store, keys.retired_change(n))  # ... and the process dies before its state
+    reader = RetiredPrompts(store, keys)
+    assert reader.refresh() == {"a"}
+    restarted = Preparer(context(tmp_path, "prepare", *opts))
+    restarted.recover(0, 0)
+    restarted.merged(*ready(1, "b"))
+    assert [store.get_json(k)["add"] for k in store.list(keys.retired_prefix())] == [["a"], ["b"]]
+    assert reader.refresh() == RetiredPrompts(store, keys).refresh() == {"a", "b"}
+
+
 def test_a_recovery_window_longer_than_the_names_remembered_merges_nothing_twice(
         tmp_path, monkeypatch):
     """Ready shards merged so long ago that the preparer's list of recent names dropped

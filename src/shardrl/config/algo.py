@@ -173,9 +173,11 @@ class Filters(Section):
 
     zero_variance: bool = True
     """Drop groups whose scores (`reward_rm`, the verifier's or reward model's, before
-    shaping) are all equal: no learning signal from the task. The score, not the total: with
-    `kl.placement: reward` a group's KL terms almost never tie, so the total would filter
-    nothing; a dropped group's KL term then leaves the loss with it."""
+    shaping) are all equal: no learning signal from the task. The score, not the total alone:
+    with `kl.placement: reward` a group's KL terms almost never tie, so the total would filter
+    nothing; a dropped group's KL term then leaves the loss with it. With group advantages a
+    group whose shaped totals are all equal (a clip can make different scores equal) is
+    dropped too: its advantages are all 0."""
     zero_variance_tol: float = Field(1e-6, ge=0.0, le=1.0)
     """Population-std tolerance for 'all equal'."""
     no_positive_resampling: NoPositiveResampling = NoPositiveResampling()

@@ -158,7 +158,12 @@ class Preparer:
             if store.exists(key) and (table := self._readable(key)) is not None:
                 self.tracker.update(table.column("prompt_id").to_pylist(),
                                     table.column("correct").to_pylist())
-        self.tracker.keep_retired(RetiredPrompts(store, keys).refresh())
+        published = RetiredPrompts(store, keys)
+        self.tracker.keep_retired(published.refresh())
+        if published.last is not None:  # a change written before a crash took its state's
+            # write along: the next is numbered past it, never over it
+            newest = int(published.last.rsplit("/", 1)[1].removesuffix(".json"))
+            self.retired_changes = max(self.retired_changes, newest + 1)
 
     def recover(self, low: int, newest: int, only: str = "") -> None:
         """Merge statistics of ready shards written just before a crash but not yet saved

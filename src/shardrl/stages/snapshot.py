@@ -99,19 +99,30 @@ def _check_folder(path: str, field: str, alternatives: str = "") -> None:
 
 
 def _check_lora_targets(cfg, model) -> None:
-    """ConfigError when `learner.lora.target_modules` names no module of the policy (what
-    peft refuses: a module is a target when its name is one of them or ends with '.' and
-    one of them)."""
+    """ConfigError when `learner.lora.target_modules` would make peft refuse the policy: no
+    module is a target (a module is one when its name is one of them or ends with '.' and
+    one of them), or a target is not a layer peft adapts (a linear or convolution layer)."""
     if (lora := cfg.learner.lora) is None:
         return
-    names = [name for name, _ in model.named_modules()]
-    if any(name == t or name.endswith("." + t) for name in names for t in lora.target_modules):
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    targets = list(lora.target_modules)
+    matched = [(name, module) for name, module in model.named_modules()
+               if any(name == t or name.endswith("." + t) for t in targets)]
+    adaptable = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D)
+    if not matched:
+        known = sorted({last for name, _ in model.named_modules() if name
+                        and not (last := name.rsplit(".", 1)[-1]).isdigit()})
+        why = f"names no module of the model; its modules are named {', '.join(known[:16])}"
+    elif odd := [(n, m) for n, m in matched if not isinstance(m, adaptable)]:
+        name, module = odd[0]
+        why = (f"names {name}, a {type(module).__name__}, which LoRA does not adapt: name "
+               "linear layers (such as q_proj or down_proj)")
+    else:
         return
-    known = sorted({last for name in names if name
-                    and not (last := name.rsplit(".", 1)[-1]).isdigit()})
-    raise ConfigError("the run's config", [FieldError(
-        "learner.lora.target_modules", f"{list(lora.target_modules)} names no module of the "
-        f"model; its modules are named {', '.join(known[:16])}")])
+    raise ConfigError("the run's config", [FieldError("learner.lora.target_modules",
+                                                      f"{targets} {why}")])
 
 
 def _initial_model(ctx: StageContext, task, work: Path):

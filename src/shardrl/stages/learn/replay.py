@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import RunConfig
-from ...store import RunKeys, Store
+from ...store import RunKeys, Store, StoreError
 from ...store.records import (
     LedgerDelta,
     Progress,
@@ -53,6 +53,9 @@ REPLAYABLE = ("algo", "learner", "eval", "doctor", "name")
 NOT_REPLAYED = {
     "algo.filters": "prepare applied them to the shards the replay reads",
     "algo.shaping": "prepare applied it to the shards the replay reads",
+    "algo.advantages": "prepare computed the shards' advantages (or left them to a critic)",
+    "algo.kl.placement": "a KL term in the reward is in the shards' rewards already",
+    "algo.kl.estimator": "a KL term in the reward is in the shards' rewards already",
     "learner.total_steps": "the replay takes the run's commits (--to-version stops earlier)",
     "learner.batch_prompts": "the run's ledger says which shards each step took",
     "learner.max_staleness": "the run's ledger says which shards each step took",
@@ -180,9 +183,13 @@ class Replay:
         the target did not exist before `start_run`); how many objects."""
         if not self.started:
             return 0
-        keys = self.store.list(self.dst.root)
-        for key in sorted(keys, key=lambda k: k == self.dst.run_json()):  # run.json last
-            self.store.delete(key)
+        try:
+            keys = self.store.list(self.dst.root)
+            for key in sorted(keys, key=lambda k: k == self.dst.run_json()):  # run.json last
+                self.store.delete(key)
+        except StoreError as exc:  # the store down: the failure that led here is the news
+            log.warning("could not remove the failed replay's run %s: %s", self.target, exc)
+            return 0
         return len(keys)
 
     def context(self) -> StageContext:
