@@ -92,11 +92,14 @@ def run(args) -> int:
     try:
         replay.start_run(run_json)
         check = replay.run()
-    except BaseException:
+    except BaseException as exc:
         removed = replay.remove_started()  # nothing half-written keeps the id taken
         if removed:
             print(f"shardrl replay: the replay failed; the {removed} objects of run {target} "
                   "it had written are removed", file=sys.stderr, flush=True)
+        if isinstance(exc, ConfigError):  # a setting the learner refused: its fields, no trace
+            print(exc, file=sys.stderr)
+            return 1
         raise
     print(f"replay {target}: {args.run} re-learnt in {time.monotonic() - started:.1f} s",
           flush=True)
