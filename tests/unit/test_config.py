@@ -59,6 +59,11 @@ def test_typo_inside_a_union_variant():
     assert "max_rato" in err.path and "did you mean 'max_ratio'" in err.message
 
 
+def test_typo_inside_a_list_item():
+    (err,) = _errors({"reward": {"verifiers": [{"name": "task"}, {"nam": "task"}]}})
+    assert err.path == "reward.verifiers.1.nam" and "did you mean 'name'" in err.message
+
+
 def test_every_error_is_listed():
     errs = _errors({"learner": {"lr": -1, "total_steps": 0}, "rollout": {"group_size": 1}})
     paths = sorted(e.path for e in errs)

@@ -228,6 +228,8 @@ def _section_at(model: type[BaseModel], loc: tuple[str, ...]) -> Any:
     None when `loc` leads nowhere."""
     current: Any = model
     for part in loc:
+        if part.isdigit():  # an item of a list: the list's models stay the candidates
+            continue
         candidates = _models_in(current)
         nxt = None
         for cls in candidates:
