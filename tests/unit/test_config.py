@@ -59,6 +59,21 @@ def test_typo_inside_a_union_variant():
     assert "max_rato" in err.path and "did you mean 'max_ratio'" in err.message
 
 
+def test_a_text_setting_takes_its_value_as_text():
+    """YAML reads `2024` as a number, `on` as a boolean and `a: b` as a mapping; a setting
+    that holds text takes what was typed."""
+    from shardrl.config import apply_override
+
+    assert load_config("demo", ["name=2024"]).name == "2024"
+    assert load_config("demo", ["name=on"]).name == "on"
+    assert apply_override({}, "task.system_prompt=Answer: 42") == {
+        "task": {"system_prompt": "Answer: 42"}}
+    assert apply_override({}, "task.system_prompt=null") == {"task": {"system_prompt": None}}
+    assert apply_override({}, "seed=7") == {"seed": 7}  # not text: YAML as before
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        apply_override({}, "learner.lr=[a")
+
+
 def test_typo_inside_a_list_item():
     (err,) = _errors({"reward": {"verifiers": [{"name": "task"}, {"nam": "task"}]}})
     assert err.path == "reward.verifiers.1.nam" and "did you mean 'name'" in err.message

@@ -146,18 +146,33 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     if "=" not in assignment:
         raise ConfigError("--set", [FieldError(assignment, "expected KEY=VALUE, e.g. learner.lr=1e-4")])
     dotted, raw = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
+        value = exc
+    if _text_field(parts) and not isinstance(value, str) and not (
+            value is None and raw.strip() in ("", "~", "null", "Null", "NULL")):
+        value = raw.strip()  # `name=2024`, `task.system_prompt=Answer: 42`: the text itself
+    if isinstance(value, yaml.YAMLError):
         raise ConfigError("--set", [FieldError(dotted.strip(), f"value {raw!r} is not valid "
-                                               f"YAML: {' '.join(str(exc).split())}")]) from exc
+                                               f"YAML: {' '.join(str(value).split())}")])
     patch: dict[str, Any] = {}
     cursor = patch
-    parts = dotted.strip().split(".")
     for part in parts[:-1]:
         cursor = cursor.setdefault(part, {})
     cursor[parts[-1]] = value
     return deep_merge(data, patch)
+
+
+def _text_field(parts: list[str]) -> bool:
+    """Whether the field at dotted `parts` holds text (`str`, or `str | None`): YAML would
+    read `2024`, `on` or `a: b` given to it as a number, a boolean or a mapping."""
+    from .run import RunConfig
+
+    annotation = _section_at(RunConfig, tuple(parts))
+    args = set(typing.get_args(annotation)) - {type(None)}
+    return annotation is str or args == {str}
 
 
 def load_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
