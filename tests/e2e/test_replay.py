@@ -110,6 +110,13 @@ def test_a_verify_with_nothing_left_to_compare_is_not_a_pass(source, tmp_path, m
     assert replay(root, "--verify", "--run-id", "none-left") == EXIT_UNVERIFIED
     out = capsys.readouterr().out
     assert "verify: NOT VERIFIED" in out and "bit-for-bit equal" not in out
+    # a run that committed nothing: nothing to replay, said as such (not "retention")
+    from shardrl.store.records import Progress
+
+    Progress().write(store, keys.progress())
+    assert replay(root, "--verify", "--run-id", "nothing") == 2
+    assert "has committed no version yet: nothing to replay" in capsys.readouterr().err
+    assert store.list(RunKeys("nothing").root) == []
 
 
 def test_an_update_the_run_skipped_is_told_from_one_it_applied(source, tmp_path, monkeypatch,

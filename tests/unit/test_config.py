@@ -74,6 +74,13 @@ def test_a_text_setting_takes_its_value_as_text():
         apply_override({}, "learner.lr=[a")
 
 
+def test_a_config_name_that_is_no_file_suggests_a_preset():
+    with pytest.raises(ConfigError, match="did you mean the preset 'demo'"):
+        load_config("dem")
+    with pytest.raises(ConfigError, match=r"nor a preset \(presets: calculator, demo"):
+        load_config("nothing.yaml")
+
+
 def test_typo_inside_a_list_item():
     (err,) = _errors({"reward": {"verifiers": [{"name": "task"}, {"nam": "task"}]}})
     assert err.path == "reward.verifiers.1.nam" and "did you mean 'name'" in err.message

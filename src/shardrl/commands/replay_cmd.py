@@ -81,6 +81,10 @@ def run(args) -> int:
               "not bit for bit)", file=sys.stderr)
         return 2
     last = Progress.read(store, source.progress()).version
+    if last == 0:
+        print(f"shardrl replay: run {args.run} has committed no version yet: nothing to replay",
+              file=sys.stderr)
+        return 2
     if args.to_version is not None and args.to_version > last:
         print(f"shardrl replay: --to-version {args.to_version} is past the run's last "
               f"committed version, {last}", file=sys.stderr)

@@ -182,7 +182,10 @@ def load_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> d
         if str(path) in preset_names():
             p = PRESET_DIR / f"{path}.yaml"
         else:
-            raise ConfigError(str(path), [FieldError("", "file not found")])
+            hint = difflib.get_close_matches(str(path), preset_names(), n=1, cutoff=0.6)
+            raise ConfigError(str(path), [FieldError("", "file not found, nor a preset" + (
+                f"; did you mean the preset '{hint[0]}'?" if hint else
+                f" (presets: {', '.join(preset_names())})"))])
     return apply_overrides(_load_raw(p.resolve()), overrides)
 
 
