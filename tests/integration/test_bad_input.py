@@ -290,6 +290,24 @@ def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):
     assert len(store.list(keys.root + "quarantine/rollout/prompts/")) == MAX_EMPTY_SHARDS
 
 
+def test_a_run_whose_prompts_never_fit_stops_at_once_saying_why(tmp_path):
+    """A rollout worker that finds the config invalid exits 2 and writes the run's abort
+    marker with the reason: the runner stops the run at once, with no restart."""
+    from shardrl.store.records import Aborted
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    res = run_cli(["run", str(path), "--store", str(tmp_path / "store"), "--run-id", "long",
+                   "--no-progress", "--set", "model.sft.enabled=false",
+                   "--set", "rollout.max_new_tokens=31"], tmp_path, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    assert "run aborted: rollout" in out and "invalid config: rollout.max_new_tokens" in out
+    assert "restarting in" not in out, out[-3000:]
+    marker = Aborted.read(LocalStore(tmp_path / "store"), RunKeys("long").aborted())
+    assert (marker.stage, marker.exit_code, marker.restarts) == ("rollout", 2, 0)
+
+
 def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')

@@ -97,5 +97,19 @@ def run(args) -> int:
         ctx.log.error("giving up: %s", exc)
         return EXIT_STORE_UNAVAILABLE
     except ConfigError as exc:  # found only now (a model's modules, a folder): no restart
-        ctx.log.error("invalid config: %s", "; ".join(str(e) for e in exc.errors))
+        reason = "invalid config: " + "; ".join(str(e) for e in exc.errors)
+        ctx.log.error("%s", reason)
+        if args.name != "snapshot":  # the run exists: every stage stops on the marker, also
+            # when a launcher (torchrun) reports this rank's exit as another status
+            import time
+
+            from ..store import StoreError
+            from ..store.records import Aborted
+
+            try:
+                Aborted(stage=args.name, worker=args.worker, exit_code=EXIT_CONFIG,
+                        reason=reason[:1000], time=time.time()).write_first(
+                    ctx.store, ctx.keys.aborted())
+            except StoreError as store_exc:  # the exit status still says it
+                ctx.log.warning("could not write the run's abort marker: %s", store_exc)
         return EXIT_CONFIG
