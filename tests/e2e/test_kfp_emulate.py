@@ -137,10 +137,14 @@ def test_sync_pipeline_completes_its_rounds_with_filtering_on(tmp_path):
     """With tracking on: the MLflow secret names a SQLite file, which the monitor, promote
     and report tasks share."""
     job = str(uuid.uuid4())
-    overrides = ["learner.total_steps=2"]
+    # each round's learner takes every group its round made (two workers' 8 prompts): with a
+    # batch of 8 it took one shard a round, the next round the other, older one, and whether
+    # any group was filtered hung on those two shards alone
+    overrides = ["learner.total_steps=2", "learner.batch_prompts=16"]
     path = compile_short(tmp_path, "shardrl-sync", overrides)
     config = (SHORT.replace("tracking: {enabled: false}\n", "")
-              .replace("learner: {batch_prompts: 8}", "learner: {batch_prompts: 8, total_steps: 2}"))
+              .replace("learner: {batch_prompts: 8}",
+                       "learner: {batch_prompts: 16, total_steps: 2}"))
     assert load_config(str(path.parent.parent / "short.yaml"), overrides).algo.filters.zero_variance
     tracking = f"sqlite:///{tmp_path}/mlflow.db"
     proc = emulate(path, tmp_path, job, config,

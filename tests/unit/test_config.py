@@ -70,6 +70,11 @@ def test_a_text_setting_takes_its_value_as_text():
         "task": {"system_prompt": "Answer: 42"}}
     assert apply_override({}, "task.system_prompt=null") == {"task": {"system_prompt": None}}
     assert apply_override({}, "seed=7") == {"seed": 7}  # not text: YAML as before
+    # a list or a mapping of text is not text
+    assert apply_override({}, "pipeline.pod.image_pull_secrets=[regcred]") == {
+        "pipeline": {"pod": {"image_pull_secrets": ["regcred"]}}}
+    assert apply_override({}, "pipeline.pod.gpu_node_selector={pool: a100}") == {
+        "pipeline": {"pod": {"gpu_node_selector": {"pool": "a100"}}}}
     with pytest.raises(ConfigError, match="not valid YAML"):
         apply_override({}, "learner.lr=[a")
 

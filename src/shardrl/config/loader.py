@@ -171,8 +171,9 @@ def _text_field(parts: list[str]) -> bool:
     from .run import RunConfig
 
     annotation = _section_at(RunConfig, tuple(parts))
-    args = set(typing.get_args(annotation)) - {type(None)}
-    return annotation is str or args == {str}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation)) - {type(None)} == {str}
+    return annotation is str
 
 
 def load_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
