@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -168,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", help="report: path of the Metrics artifact")
     parser.add_argument("--html", help="report: path of the HTML artifact")
     args = parser.parse_args(argv)
-    from ..quiet import QUIET_LIBRARIES_ENV
+    from ..quiet import quiet_libraries
 
-    for name, value in QUIET_LIBRARIES_ENV.items():  # as `shardrl` itself: no usage reports
-        os.environ.setdefault(name, value)
+    quiet_libraries()  # as `shardrl` itself: no usage reports
     view = open_view(args.config, args.run_id, args.store)
     if args.task == "monitor":
         return follow(view)

@@ -3,9 +3,10 @@
 The compiled pipelines run every looping stage under this supervisor. It starts the stage as
 a child process (the same command line without `--supervise`) and restarts it when it exits
 with an error (not when it found the run's config invalid: status 2), after the local
-runner's backoff (`restart_delay`: 1, 2, 4, ... 30 s), at most `pipeline.max_restarts` times. A stage therefore comes back within seconds, however long it has
-run, without waiting for the cluster's retry policy (which measures its window from the
-task's first start and does not cover evictions).
+runner's backoff (`restart_delay`: 1, 2, 4, ... 30 s), at most `pipeline.max_restarts` times.
+A stage therefore comes back within seconds, however long it has run, without waiting for the
+cluster's retry policy (which measures its window from the task's first start and does not
+cover evictions).
 
 Out of restarts, the supervisor writes the run's abort marker (`ABORTED.json`) and exits with
 the stage's status: every other looping stage sees the marker and stops, so no pod waits for

@@ -96,7 +96,7 @@ def _assemble(ctx: StageContext, version: int, folder: Path) -> Path:
 
 
 def register(ctx: StageContext, version: int, metric: float, summary: dict,
-             selected: float | None = None, figure: str = "selected") -> dict:
+             selected: float, figure: str) -> dict:
     """Register policy `version` (once per run and version: a retry reuses the version an
     earlier attempt registered) and move the aliases: `challenger` to it unless a later
     registration holds it already, `champion` when it beats the champion's metric measured
@@ -105,7 +105,6 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
     Two unbiased figures (confirmed, or single) compare; otherwise the figures each side
     was chosen on do (a single evaluation's is itself), so a best-of-N figure never meets a
     confirmed one."""
-    selected = metric if selected is None else selected
     cfg = ctx.cfg
     name, margin = cfg.promote.model_name, cfg.promote.margin
     key, chosen_key = f"eval.{cfg.promote.metric}", f"eval.selected.{cfg.promote.metric}"

@@ -41,7 +41,8 @@ def main(ctx: StageContext) -> int:
         return 0
     task = make_task(cfg)
     started = time.time()
-    _check_folder(cfg.model.reference, "model.reference", "or 'initial' or 'none'")
+    if cfg.model.reference not in ("initial", "none"):
+        _check_folder(cfg.model.reference, "model.reference", "or 'initial' or 'none'")
     if isinstance(cfg.model.source, PretrainedModel):
         _check_folder(cfg.model.source.path, "model.source.path")
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,8 +90,6 @@ def main(ctx: StageContext) -> int:
 def _check_folder(path: str, field: str, alternatives: str = "") -> None:
     """ConfigError unless `path` is a folder of safetensors weights (a name that is not a
     folder would be looked up on the Hugging Face hub)."""
-    if field == "model.reference" and path in ("initial", "none"):
-        return
     try:
         check_safe_weights_dir(path)
     except (FileNotFoundError, UnsafeWeightsError) as exc:

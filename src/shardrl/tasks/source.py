@@ -161,7 +161,7 @@ def _dataset(cfg: RunConfig) -> TaskData:
 
     # the tiny tokenizer learns from these: every character of every file, so that none of
     # the held-out set is unknown to it (characters alone, no held-out pair to learn)
-    chars = {c for it in (*train, *heldout) for c in it.prompt + it.answer}
+    chars = set("".join(it.prompt + it.answer for it in (*train, *heldout)))
     corpus = [it.prompt + it.answer for it in train[:10_000]] + ["".join(sorted(chars))]
     return TaskData(train_items, demonstrations, validation, heldout, exact_match, corpus)
 

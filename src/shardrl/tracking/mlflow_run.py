@@ -7,6 +7,7 @@ once, after the others stopped. Against an MLflow server any stage may write.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -128,6 +129,7 @@ MAX_METRIC_NAME = 250
 """MLflow's longest metric name."""
 
 
+@functools.lru_cache(maxsize=4096)  # the same few names at every step of every forward
 def metric_name(name: str) -> str:
     """`name` as MLflow takes it (a dataset's category, "Counting & Probability" or
     "Geometry/", is part of a name, and MLflow refuses the whole batch that holds one name it

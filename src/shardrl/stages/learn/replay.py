@@ -161,7 +161,7 @@ class Replay:
         from ... import __version__
 
         store, src, dst = self.store, self.src, self.dst
-        if store.exists(dst.run_json()) or store.list(dst.root, limit=1):
+        if store.list(dst.root, limit=1):  # its run.json, or anything else of it
             raise SystemExit(f"run {self.target} exists already: choose another --run-id")
         self.started = True
         for prefix, to in ((src.ref_prefix(), dst.ref_prefix()),
