@@ -104,6 +104,21 @@ def test_a_waits_for_a_full_window_after_the_step_it_judges():
         assert ("A" in codes(m)) is found, last
 
 
+def test_a_kl_blowup_whose_entropy_moves_one_update_later():
+    # KL 300x its level from step 12 on with clip 0.5 there; entropy flat at 12 and halved at
+    # 13: the policy measured at 12 moved far on a few tokens, the update at 12 collapsed it
+    s = base()
+    s["learn/kl_mean"] = np.where(STEP >= 12, 3.0, 0.01)
+    s["learn/clip_frac"] = np.where(STEP == 12, 0.5, 0.05)
+    s["learn/entropy"] = np.where(STEP == 13, 0.5, 1.0)
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "A" and f.step == 12
+    assert f.evidence[2].note == "0.5 at step 13, down from a mean of 1 before step 12"
+    # two updates later is not the blow-up's doing
+    s["learn/entropy"] = np.where(STEP == 14, 0.5, 1.0)
+    assert codes(metrics(s)) == []
+
+
 def test_a_kl_blowup_into_high_entropy_garbage():
     s = base()
     # as above, but entropy rises 1 + 0.1 i: 2.1 at i = 11 > 1.2 x 1.5 (its mean over i < 11)

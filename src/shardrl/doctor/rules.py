@@ -7,9 +7,9 @@ standard errors of that difference (small batches make noisy series). Rules othe
 collapse rule look at finite values only; non-finite values are the collapse rule's evidence.
 
   A  KL blow-up       at some step: clip_frac > clip_frac_high, entropy entropy_drop below or
-                      above its mean before, KL above its limit (kl_mean > kl_mean_high or
-                      kl_sum > kl_high) and its past, and staying above the limit over the next
-                      w steps (judged once they are there)
+                      above its mean before (then or at the next step), KL above its limit
+                      (kl_mean > kl_mean_high or kl_sum > kl_high) and its past, and staying
+                      above the limit over the next w steps (judged once they are there)
   B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
@@ -93,12 +93,15 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
     """Symptom A: KL to the reference shoots up, with a high clip fraction and entropy moving
     sharply.
 
-    Step i qualifies when, at i, clip_frac > clip_frac_high, entropy is entropy_drop below or
-    above its mean before i, and KL (kl_mean vs kl_mean_high, or kl_sum vs kl_high) is above
-    the limit and above its median before i, with its median over [i, i+w) staying above it.
+    Step i qualifies when, at i, clip_frac > clip_frac_high and KL (kl_mean vs kl_mean_high,
+    or kl_sum vs kl_high) is above the limit and above its median before i, with its median
+    over [i, i+w) staying above it; and entropy is entropy_drop below or above its mean
+    before i, at i or at the step after it.
     A blow-up can take a single step, and what follows it varies (a policy gone deterministic,
     its entropy falling, or one emitting high-entropy garbage, its entropy rising), so the
-    signals are read at the step itself and entropy may move either way.
+    signals are read at the step itself and entropy may move either way. The mean entropy
+    may show it one update later than the KL: the KL estimate (k3) is dominated by the few
+    tokens the policy moved far from, the entropy is averaged over all of them.
     The learner makes one update per batch, so only stale samples can be clipped: a batch
     whose samples all come from the current policy (`staleness_max` 0) has clip_frac 0
     whatever happens, and a KL `kl_extreme` times its limit needs no clip fraction either.
@@ -117,9 +120,11 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
         for i in range(1, len(steps) - w + 1):  # a full window after i: a spike at the
             after_kl = k[i:i + w]                 # newest steps is judged once it has one
             clipping = c[i] > d.clip_frac_high or on_policy[i] or k[i] > d.kl_extreme * limit
+            before = np.mean(e[:i])
+            moved = [j for j in (i, i + 1) if abs(e[j] - before) > d.entropy_drop * before]
             if (clipping and k[i] > limit and k[i] > np.median(k[:i])
-                    and np.median(after_kl) > limit
-                    and abs(e[i] - np.mean(e[:i])) > d.entropy_drop * np.mean(e[:i])):
+                    and np.median(after_kl) > limit and moved):
+                j = moved[0]
                 end = min(i + w, len(steps))
                 ev = [
                     evidence(name, steps[:end], k[:end],
@@ -134,9 +139,9 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
                              f"{c[i]:.3g} at step {steps[i]}, not needed: the KL is over "
                              f"{d.kl_extreme:g}x its limit"),
                     evidence(ent.name, steps[:end], e[:end],
-                             f"{e[i]:.3g} at step {steps[i]}, "
-                             f"{'down' if e[i] < np.mean(e[:i]) else 'up'} from a mean of "
-                             f"{np.mean(e[:i]):.3g} before"),
+                             f"{e[j]:.3g} at step {steps[j]}, "
+                             f"{'down' if e[j] < before else 'up'} from a mean of "
+                             f"{before:.3g} before" + (f" step {steps[i]}" if j > i else "")),
                 ]
                 return make_finding("A", "KL to the reference blows up with a high clip "
                                          "fraction and a sharp change of entropy", ev, cfg,
