@@ -1,8 +1,17 @@
 """Keys of a run: built, parsed, and ordered as their numbers."""
 
+import re
+
 import pytest
 
-from shardrl.store.keys import RunKeys, ShardKey, error_key, parse_shard_key, quarantine_key
+from shardrl.store.keys import (
+    RunKeys,
+    ShardKey,
+    error_key,
+    new_run_id,
+    parse_shard_key,
+    quarantine_key,
+)
 
 rk = RunKeys("demo-1")
 
@@ -83,3 +92,12 @@ def test_quarantine_keys():
     assert q == rk.quarantine("score", rollout)
     assert error_key(q) == q + ".error.json"
     assert quarantine_key("loose/file.parquet", "learn") == "quarantine/learn/loose/file.parquet"
+
+
+def test_run_ids_made_in_the_same_second_differ():
+    """Two replays of one run started in the same second used to get the same default id."""
+    ids = {new_run_id("demo-replay") for _ in range(20)}
+    assert len(ids) > 1
+    for made in ids:
+        assert re.fullmatch(r"demo-replay-\d{8}-\d{6}-[0-9a-f]{4}", made)
+        assert RunKeys(made).root == f"runs/{made}/"  # a valid run name

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 
 DEFAULT_COMPILE_CONFIG = "demo"
@@ -91,6 +89,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from pipelines.submit import SubmitError, submit
     from shardrl.config import load_config
     from shardrl.redact import redacted, without_userinfo
+    from shardrl.store.keys import new_run_id
 
     cfg = load_config(args.config)
     if cfg.pipeline.ui_endpoint is None:  # the MLflow run links to the KFP run's page
@@ -98,7 +97,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         cfg = load_config(args.config, [f"pipeline.ui_endpoint={ui}"])
     text = config_text(cfg)
     # unique unless named: a lost answer is looked up by name, which must be this run's alone
-    run_name = args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    run_name = args.run_name or new_run_id(cfg.name)
     store = cfg.store.uri if cfg.store.uri.startswith("s3://") else DEFAULT_STORE
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipelines(cfg, tmp, config_default=text, names=(args.pipeline,),

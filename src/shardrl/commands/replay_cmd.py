@@ -37,6 +37,7 @@ def run(args) -> int:
     from ..stages.context import setup_logging
     from ..stages.learn.replay import Replay, not_replayed
     from ..store import RunKeys, StoreError, open_store
+    from ..store.keys import new_run_id
     from ..store.records import Progress, read_run_json
 
     try:
@@ -89,7 +90,7 @@ def run(args) -> int:
         print(f"shardrl replay: --to-version {args.to_version} is past the run's last "
               f"committed version, {last}", file=sys.stderr)
         return 2
-    target = args.run_id or f"{args.run}-replay-{time.strftime('%Y%m%d-%H%M%S')}"
+    target = args.run_id or new_run_id(f"{args.run}-replay")
     replay = Replay(store, args.run, target, cfg, tuple(args.overrides), args.to_version,
                     args.verify)
     started = time.monotonic()

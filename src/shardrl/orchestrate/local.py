@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +36,7 @@ from ..store import (
     open_store,
 )
 from ..store.base import json_bytes
+from ..store.keys import new_run_id
 from ..store.records import Aborted, recorded_config
 from ..tracking.mlflow_run import RunIdTaken, TrackingUnavailable
 from .fork import Forked, fork_stage
@@ -245,7 +245,7 @@ def prepare_run(args) -> LocalRun:
         cfg = load_config(args.config, args.overrides)
         store_uri = args.store or cfg.store.uri
         # the time, and a suffix for two runs started in the same second
-        run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        run_id = args.run_id or new_run_id(cfg.name)
         store = open_store(store_uri, retry_policy(cfg))
         if getattr(args, "create_bucket", False) and hasattr(store, "create_bucket"):
             if store.create_bucket():

@@ -20,6 +20,8 @@ Zero-padded numbers make the lexicographic order of keys their numeric order.
 from __future__ import annotations
 
 import re
+import secrets
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +44,12 @@ _SHARD = re.compile(
     r"runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/(?P<kind>rollouts|scored|ready)"
     r"/v(?P<version>\d{6})/w(?P<worker>\d{2})-(?P<seq>\d{6})\.parquet\Z"
 )
+
+
+def new_run_id(prefix: str) -> str:
+    """A fresh run id: `prefix`, the local time to the second and 4 random hex digits, so two
+    runs started in the same second get different ids."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def _name(value: str, what: str) -> str:
