@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--verify", action="store_true",
                     help="check that each version the run still holds is published bit for bit")
     rp.add_argument("--run-id", type=run_id,
-                    help="id of the new run (default: RUN-replay-<time>)")
+                    help="id of the new run (default: RUN-replay-<time>-<4 hex digits>)")
     rp.add_argument("--no-eval", action="store_true",
                     help="with --set: do not evaluate the new run's versions")
     _add_overrides(rp)
