@@ -192,6 +192,24 @@ def test_yaml_merge_keys_work_and_keys_given_twice_are_still_refused(tmp_path):
         load_config(f)
 
 
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """YAML 1.1 (PyYAML's) read `seed: 010` as octal 8 and `1:30` as 90, and left `1e-4` as
+    text: in a file and in `--set` alike."""
+    from shardrl.config.loader import parse_yaml
+
+    read = parse_yaml("a: 010\nb: 0o10\nc: 0x1F\nd: 1_000\ne: -010\nf: 1:30\ng: 1e-4\n"
+                      "h: -1.5E+3\ni: .5\nj: .inf\nk: 0b11\nl: 1.2.3\nm: 09\n", "test")
+    assert read == {"a": 10, "b": 8, "c": 31, "d": 1000, "e": -10, "f": "1:30", "g": 1e-4,
+                    "h": -1500.0, "i": 0.5, "j": float("inf"), "k": "0b11", "l": "1.2.3",
+                    "m": 9}
+    assert [type(read[k]) for k in "adg"] == [int, int, float]
+    f = tmp_path / "c.yaml"
+    f.write_text("extends: demo\nseed: 010\n")
+    assert load_config(f).seed == 10
+    assert load_config("demo", ["seed=010"]).seed == 10
+    assert load_config("demo", ["learner.total_steps=0o20"]).learner.total_steps == 16
+
+
 def test_overrides_that_switch_a_variant_do_not_depend_on_their_order():
     """A setting of the new variant given before the switch used to be dropped silently."""
     for items in (["algo.loss.eps_low=0.001", "algo.loss.kind=gspo"],

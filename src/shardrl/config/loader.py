@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ def preset_names() -> list[str]:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
-    last one without a word, so an earlier `learner:` block would be dropped unseen)."""
+    last one without a word, so an earlier `learner:` block would be dropped unseen), and
+    reading numbers as YAML 1.2 does (`_numbers_as_yaml_1_2`)."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
@@ -63,6 +65,34 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     f"{seen[key].line + 1}): merge the two", key_node.start_mark)
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+
+_INT = re.compile(r"[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)\Z")
+_FLOAT = re.compile(r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?\Z"
+                    r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z")
+
+
+def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
+    """Plain scalars read as numbers the way YAML 1.2 reads them, not 1.1 (PyYAML's): `010`
+    is ten, not octal eight (`0o10` is eight); `1:30` is text, not ninety seconds; `1e-4` is
+    a number, not text. Underscores between digits stay allowed (`1_000`)."""
+    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (int_tag, float_tag)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    loader.add_implicit_resolver(int_tag, _INT, list("-+0123456789"))
+    loader.add_implicit_resolver(float_tag, _FLOAT, list("-+.0123456789"))
+
+    def integer(self, node) -> int:
+        text = self.construct_scalar(node).replace("_", "")
+        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
+
+    loader.add_constructor(int_tag, integer)
+
+
+_numbers_as_yaml_1_2(_UniqueKeyLoader)
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
@@ -148,7 +178,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     dotted, raw = assignment.split("=", 1)
     parts = dotted.strip().split(".")
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=_UniqueKeyLoader)  # noqa: S506 - safe
     except yaml.YAMLError as exc:
         value = exc
     if _text_field(parts) and not isinstance(value, str) and not (
