@@ -64,14 +64,35 @@ def registry(tmp_path_factory):
     return tmp, cfg, store
 
 
+@pytest.fixture(autouse=True)
+def _tracking_uri_restored(monkeypatch):
+    """The promote stage run in this process (`_promote_here`) sets MLFLOW_TRACKING_URI, as
+    MLflow's `set_tracking_uri` does: put back afterwards, so later tests do not log there;
+    one left by another test would win over the config's `tracking.uri`."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def _promote_here(cfg: Path, store: Path, run_id: str) -> dict:
+    """The promote stage's `main` on run `run_id`, in this process; its result. A process per
+    call spent most of its ten seconds importing: the stage as a process of its own, with its
+    exit statuses, is tested below (a retry, an unfinished run, a real MLflow server)."""
+    from shardrl.config import load_config
+    from shardrl.stages import promote
+    from shardrl.stages.context import StageContext
+    from shardrl.store import LocalStore
+
+    ctx = StageContext(stage="promote", cfg=load_config(str(cfg)), run_id=run_id,
+                       store=LocalStore(store))
+    assert promote.main(ctx) == 0
+    return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json").read_text())
+
+
 def _promote(registry, run_id: str, evals: dict[int, float], cfg: Path | None = None,
              setup: str | None = None) -> dict:
     tmp, base_cfg, store = registry
-    cfg = cfg or base_cfg
     shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
     _fake_evals(store, run_id, evals, setup)
-    _stage("promote", cfg, store, run_id, tmp)
-    return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json").read_text())
+    return _promote_here(cfg or base_cfg, store, run_id)
 
 
 def _aliases(tmp: Path) -> dict[str, str]:
@@ -175,9 +196,7 @@ def test_the_chosen_version_is_registered_and_compared_on_its_confirming_evaluat
         _fake_evals(store, run_id, evals, "s" * 16)
         if confirm:
             confirmed(run_id, *confirm)
-        _stage("promote", named, store, run_id, tmp)
-        return json.loads((store / "runs" / run_id / "state" / "promote" / "result.json")
-                          .read_text())
+        return _promote_here(named, store, run_id)
 
     first = promote("run-k1", {0: 0.1, 5: 0.80, 10: 0.70}, (5, 0.74, "s" * 16))
     assert (first["version"], first["value"], first["selected_value"]) == (5, 0.74, 0.80)
