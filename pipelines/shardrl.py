@@ -20,7 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
 from kfp import compiler, dsl, kubernetes
 from kfp.compiler.compiler_utils import KubernetesManifestOptions
 from kfp.dsl.base_component import BaseComponent
@@ -30,6 +29,7 @@ from components.images import ImageRefError
 from components.tasks import monitor_component, report_component
 from shardrl.config import ConfigError, RunConfig, load_config
 from shardrl.config.infra import Resources
+from shardrl.config.loader import dump_yaml
 from shardrl.graph import StageSpec, active, after_loop, before_loop
 
 from .cluster import DEFAULT_STORE, STAGE_SECRETS
@@ -64,7 +64,7 @@ _PARAMS_DOC = "Run ShardRL on Kubeflow.\n\nArgs:\n" + "".join(
 
 def config_text(cfg: RunConfig) -> str:
     """The resolved config as self-contained YAML: the default of the `config` parameter."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return dump_yaml(cfg.model_dump(mode="json"))
 
 
 def sync_rounds(cfg: RunConfig) -> int:

@@ -21,13 +21,20 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
 def mlflow_uri_kept() -> Iterator[None]:
     """`mlflow.set_tracking_uri`, which a test's in-process stage or helper may call, exports
     MLFLOW_TRACKING_URI; left set, it would win over the config of every later test's stages
-    (their MLflow runs and model versions would land in that test's database)."""
+    (their MLflow runs and model versions would land in that test's database). MLflow's own
+    module-level URI is put back too."""
+    import sys
+
     before = os.environ.get("MLFLOW_TRACKING_URI")
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    module_uri = getattr(utils, "_tracking_uri", None)
     yield
     if before is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+    if (utils := sys.modules.get("mlflow.tracking._tracking_service.utils")) is not None:
+        utils._tracking_uri = module_uri
 
 
 @pytest.fixture(autouse=True)

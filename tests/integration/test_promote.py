@@ -65,10 +65,10 @@ def registry(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _tracking_uri_restored(monkeypatch):
-    """The promote stage run in this process (`_promote_here`) sets MLFLOW_TRACKING_URI, as
-    MLflow's `set_tracking_uri` does: put back afterwards, so later tests do not log there;
-    one left by another test would win over the config's `tracking.uri`."""
+def _no_tracking_uri_in_the_environment(monkeypatch):
+    """The config's `tracking.uri` names each test's registry: an MLFLOW_TRACKING_URI in this
+    process's environment would win over it in the stage run here (`_promote_here`). The
+    root conftest puts back what the stage sets (`mlflow_uri_kept`)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 

@@ -208,6 +208,17 @@ def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
     assert load_config(f).seed == 10
     assert load_config("demo", ["seed=010"]).seed == 10
     assert load_config("demo", ["learner.total_steps=0o20"]).learner.total_steps == 16
+    # what the project writes (a run's config.yaml, `config show`, the pipeline's parameter)
+    # reads back: text that YAML 1.2 reads as a number is quoted
+    from shardrl.config.loader import dump_yaml
+
+    cfg = load_config("demo", ["name=1e5", "tracking.experiment=09"])
+    assert (cfg.name, cfg.tracking.experiment) == ("1e5", "09")
+    f.write_text(dump_yaml(cfg.model_dump(mode="json")))
+    assert "name: '1e5'" in f.read_text() and load_config(f) == cfg
+    # a decimal past Python's limit on digits is a config error, not a crash
+    with pytest.raises(ConfigError, match="as a number"):
+        parse_yaml("a: 0" + "9" * 5000, "test")
 
 
 def test_overrides_that_switch_a_variant_do_not_depend_on_their_order():

@@ -114,9 +114,12 @@ def test_a_kl_blowup_whose_entropy_moves_one_update_later():
     (f,) = diagnose(metrics(s), CFG)
     assert f.code == "A" and f.step == 12
     assert f.evidence[2].note == "0.5 at step 13, down from a mean of 1 before step 12"
-    # two updates later is not the blow-up's doing
+    # two updates later is not the blow-up's doing, also when the step between has no
+    # entropy (not finite)
     s["learn/entropy"] = np.where(STEP == 14, 0.5, 1.0)
     assert codes(metrics(s)) == []
+    s["learn/entropy"] = np.where(STEP == 13, np.nan, s["learn/entropy"])
+    assert codes(metrics(s)) == ["E"]  # the non-finite value itself is a finding
 
 
 def test_a_kl_blowup_into_high_entropy_garbage():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-import yaml
-
 from ..config import ConfigError, load_config
+from ..config.loader import dump_yaml
 
 
 def run(args) -> int:
@@ -18,7 +17,7 @@ def run(args) -> int:
             print(exc, file=sys.stderr)
             return 1
         data = cfg.model_dump(mode="json")
-        print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False))
+        print(json.dumps(data, indent=2) if args.json else dump_yaml(data))
         return 0
     failed = 0
     for path in args.files:

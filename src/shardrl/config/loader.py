@@ -87,12 +87,32 @@ def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
         text = self.construct_scalar(node).replace("_", "")
         sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
         base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
-        return sign * int(digits[2:] if base != 10 else digits, base)
+        try:
+            return sign * int(digits[2:] if base != 10 else digits, base)
+        except ValueError as exc:  # past Python's limit on the digits of a decimal
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {text[:20]}... as a number: {exc}",
+                node.start_mark) from None
 
     loader.add_constructor(int_tag, integer)
 
 
 _numbers_as_yaml_1_2(_UniqueKeyLoader)
+
+
+class _NumberQuotingDumper(yaml.SafeDumper):
+    """YAML's safe dumper, quoting text that YAML 1.1 or 1.2 reads as a number (`1e5`,
+    `09`), so that what it writes reads back as written, here and in any other reader."""
+
+
+_NumberQuotingDumper.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+_NumberQuotingDumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT,
+                                           list("-+.0123456789"))
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` as YAML that this loader reads back unchanged, keys in their order."""
+    return yaml.dump(data, Dumper=_NumberQuotingDumper, sort_keys=False)
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:

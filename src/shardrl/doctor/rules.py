@@ -121,7 +121,8 @@ def kl_blowup(m: Metrics, cfg: RunConfig) -> Finding | None:
             after_kl = k[i:i + w]                 # newest steps is judged once it has one
             clipping = c[i] > d.clip_frac_high or on_policy[i] or k[i] > d.kl_extreme * limit
             before = np.mean(e[:i])
-            moved = [j for j in (i, i + 1) if abs(e[j] - before) > d.entropy_drop * before]
+            then = (i, i + 1) if steps[i + 1] == steps[i] + 1 else (i,)  # the next update's
+            moved = [j for j in then if abs(e[j] - before) > d.entropy_drop * before]
             if (clipping and k[i] > limit and k[i] > np.median(k[:i])
                     and np.median(after_kl) > limit and moved):
                 j = moved[0]

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..config import ConfigError, RunConfig, load_config
+from ..config.loader import dump_yaml
 from ..graph import active, after_loop, before_loop, entrypoint, stage
 from ..lifetime import die_with_parent, process_identity, still_running
 from ..redact import redacted
@@ -264,7 +263,7 @@ def prepare_run(args) -> LocalRun:
     log_dir = run_log_dir(store_uri, run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    config_path.write_text(dump_yaml(cfg.model_dump(mode="json")))
     return LocalRun(cfg, run_id, store_uri, store, log_dir, config_path, new=new)
 
 
