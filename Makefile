@@ -48,7 +48,7 @@ run: $(STAMP)
 	$(VENV)/bin/shardrl run $(CONFIG)
 
 # make test: the whole suite, the guarantees included (crash anywhere, outages, resume,
-# DeepSpeed on 1 and 2 ranks, doctor runs, the demo's gain): about 11 minutes on 2 cores.
+# DeepSpeed on 1 and 2 ranks, doctor runs, the demo's gain): about 15 minutes on 2 cores.
 # make test-fast leaves out the tests marked slow: about 4 minutes.
 # TEST_WORKERS pytest processes run side by side (0: the tests run one after the other in
 # pytest's own process); each takes whole test modules, so a module's shared fixtures are
