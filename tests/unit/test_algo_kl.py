@@ -36,6 +36,36 @@ def test_estimators_hand_computed():
     torch.testing.assert_close(kl_penalty(LOGPROBS, REF, "k3"), k3)
 
 
+def test_in_the_loss_k2_pulls_along_the_reverse_kl_and_k3_along_the_forward_kl():
+    """In the loss only an estimator's gradient acts, on tokens drawn from the policy: the
+    expectation of grad k2 is grad KL(pi || ref), that of grad k3 is grad KL(ref || pi).
+    Exact expectations over a 3-token softmax pi = softmax(theta) against ref = [0.5, 0.3, 0.2]:
+    with d = log pi - log ref, grad k2 = d grad log pi and grad k3 = (1 - ref / pi) grad log pi,
+    so E[grad k3] = sum(pi - ref) grad log pi = -sum ref grad log pi = grad KL(ref || pi)."""
+    theta = torch.tensor([0.3, -0.2, 0.1], dtype=D, requires_grad=True)
+    ref = torch.tensor([0.5, 0.3, 0.2], dtype=D).log()
+
+    def expected_grad(estimator: str) -> torch.Tensor:
+        logp = theta.log_softmax(-1)
+        weights = logp.exp().detach()  # the sampling distribution: no gradient through it
+        value = (weights * kl_penalty(logp[None], ref[None], estimator)[0]).sum()
+        return torch.autograd.grad(value, theta)[0]
+
+    def grad_of(kl: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(kl, theta)[0]
+
+    logp = theta.log_softmax(-1)
+    reverse = grad_of((logp.exp() * (logp - ref)).sum())
+    logp = theta.log_softmax(-1)
+    forward = grad_of((ref.exp() * (ref - logp)).sum())
+    torch.testing.assert_close(expected_grad("k2"), reverse)
+    torch.testing.assert_close(expected_grad("k3"), forward)
+    assert not torch.allclose(reverse, forward)  # the two differ here
+    # by hand: pi = softmax([0.3, -0.2, 0.1]); d(-sum ref log pi)/d theta = pi - ref
+    pi = torch.softmax(theta.detach(), -1)
+    torch.testing.assert_close(forward, pi - ref.exp())
+
+
 def test_estimator_registry():
     assert known_kl_estimators() == ["k1", "k2", "k3"]
     assert get_kl_estimator("k2")(LOGPROBS, REF).shape == (1, 2)

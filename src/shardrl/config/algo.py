@@ -136,7 +136,10 @@ class KLConfig(Section):
     placement: Literal["none", "reward", "loss"] = "none"
     """'reward': r - beta*KL per sequence; 'loss': a KL term added to the loss; 'none': off."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator of KL(policy || reference)."""
+    """Per-token estimator of KL(policy || reference) on the sampled tokens (k1 and k3
+    unbiased, k2 biased). In the loss only its gradient acts, and there k2's expected gradient
+    is KL(policy || reference)'s, k3's is the forward KL(reference || policy)'s (which covers
+    the reference's mass: GRPO's choice) and k1's is 0 (refused)."""
     controller: KLController = FixedKL()
     """How beta is chosen."""
 
@@ -253,8 +256,8 @@ class AlgoConfig(Section):
             raise ValueError(
                 "`algo.kl.estimator: k1` in the loss has zero expected gradient (the mean of "
                 "grad log p under the policy is 0), so it would not pull towards the reference: "
-                "use k2 (its gradient is the KL's) or k3 in the loss, or k1 with "
-                "`algo.kl.placement: reward`")
+                "use k2 (its gradient is that of KL(policy || reference)) or k3 (that of "
+                "KL(reference || policy)) in the loss, or k1 with `algo.kl.placement: reward`")
         loss = self.loss
         if isinstance(loss, CISPOLoss) and loss.min_ratio is not None:
             if loss.min_ratio >= loss.max_ratio:
