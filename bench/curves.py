@@ -21,8 +21,9 @@ TARGET_FRACTION = 0.7
 def time_to_reach(curve: Curve, target: float) -> float | None:
     """Seconds of the first point whose pass@1 is at least `target`; None if none is.
 
-    The curve is sampled at evaluations, so this is the first *measured* time, an upper
-    bound on when the rate was first reached (no interpolation between points).
+    The curve is sampled at evaluations, so this is the first *measured* time (no
+    interpolation between points): up to one interval after the rate was first reached, or
+    before it when one noisy evaluation reads high. Not a bound either way.
     """
     return next((t for t, p in curve if p >= target - 1e-9), None)
 
