@@ -57,6 +57,22 @@ def test_folder_store_ignores_other_prefixes_and_temp_files(tmp_path):
     watch.close()
 
 
+def test_a_write_first_commit_wakes_the_waiter(tmp_path):
+    """`put_if_absent` gives the object its name by a hard link, which the kernel reports as
+    a creation, not a rename: a stage waiting on the run's abort marker slept out its timeout."""
+    store = LocalStore(tmp_path)
+    watch = store.watch("runs/r/", depth=0)
+    if not isinstance(watch, InotifyWatch):
+        pytest.skip("no inotify on this system")
+    t = _later(0.05, lambda: store.put_if_absent("runs/r/ABORTED.json", b"{}"))
+    started = time.monotonic()
+    assert watch.wait(5.0) is True
+    woke = time.monotonic() - started
+    t.join()
+    assert woke < 1.0, woke
+    watch.close()
+
+
 def test_poll_watch_backs_off_to_the_timeout_and_resets():
     watch = PollWatch(min_s=0.001)
     delays = []

@@ -199,8 +199,8 @@ class InotifyWatch:
                 if level < self.depth:
                     self._follow(folder / name, level + 1)
                     woke = True  # objects may have landed before the watch did
-            elif mask & (_IN_MOVED_TO | _IN_CLOSE_WRITE):
-                woke = True
+            elif mask & (_IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_CREATE):
+                woke = True  # renamed to its name, or linked to it (`put_if_absent`)
         return woke
 
     def reset(self) -> None:
