@@ -199,6 +199,7 @@ class SyncTrainer:
 
     def _generate(self, shards: int, clock: PausableClock,
                   events: list[tuple[float, float]]) -> list:
+        from shardrl.engines.base import mixed_seed
         from shardrl.stages.engine import decode_all
         from shardrl.stages.rollout import MAX_EMPTY_SHARDS, rollout_table
 
@@ -220,7 +221,7 @@ class SyncTrainer:
         cpu_started = time.process_time()
         groups = self.engine.generate(prompt_ids, rc.group_size, temperature=rc.temperature,
                                       top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
-                                      seed=cfg.seed * 1_000_003 + per_shard[0][0])
+                                      seed=mixed_seed(cfg.seed, 0, per_shard[0][0]))
         self.cpu_seconds["generate"] += time.process_time() - cpu_started
         self.seconds["generate"] += time.monotonic() - started
         n = sum(len(g) for g in groups)

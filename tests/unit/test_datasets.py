@@ -138,6 +138,14 @@ def test_held_out_prompts_are_left_out_of_training_and_every_character_is_known(
     write_jsonl(train, [{"prompt": "3+1=", "answer": "4"}, {"prompt": "4+1=", "answer": "5"}])
     with pytest.raises(DatasetError, match="1 training row"):
         make_task(cfg)
+    # a copy that differs only in spaces is the same prompt to a chat template that trims
+    write_jsonl(train, [{"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}
+                        for i in range(30)])
+    write_jsonl(heldout, [{"prompt": "What is  3 plus 1? ", "answer": "4"}])
+    task = make_task(cfg)
+    trained = {it.prompt for it in task.validation} | {
+        it.prompt for seq in range(20) for it in task.train_items(0, seq, 4)}
+    assert "What is 3 plus 1?" not in trained and len(trained) == 29
 
 
 def test_line_endings_of_any_kind_and_answers_equal_as_numbers_load(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shardrl.engines.base import mixed_seed
 from shardrl.engines.hf import HFEngine, StaticDecoder, sampling_logprobs
 from shardrl.models.tiny import build_tiny_model, train_tokenizer
 
@@ -193,3 +194,15 @@ def test_static_decoder_declines_other_architectures(tokenizer, monkeypatch):
     # same layers, a sliding window possible
     monkeypatch.setattr(engine.model.config, "model_type", "mistral")
     assert not StaticDecoder.supports(engine.model, cache)
+
+
+def test_seeds_of_nearby_batches_and_workers_differ():
+    """Seeds were `base + batch` (and vLLM's requests `seed + i * n + j`): batch b's request
+    j + 1 drew what batch b + 1's request j drew, and worker w at shard s + 100_003 what
+    worker w + 1 drew at shard s. Hashed together, none of them repeat."""
+    assert mixed_seed(0, 1, 2) == mixed_seed(0, 1, 2)  # a function of its parts
+    batches = {mixed_seed(seed, i, j) for seed in range(10, 20) for i in range(8) for j in range(8)}
+    assert len(batches) == 10 * 8 * 8
+    workers = {mixed_seed(0, w, s) for w in range(4) for s in (0, 100_003, 200_006)}
+    assert len(workers) == 12
+    assert all(0 <= s < 2**63 for s in batches | workers)  # a valid torch or vLLM seed

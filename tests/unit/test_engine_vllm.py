@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shardrl.engines.base import mixed_seed
 from shardrl.engines.hf import HFEngine
 from shardrl.engines.vllm import (
     ReloadMismatchError,
@@ -136,9 +137,9 @@ def test_samples_follow_per_request_seeds(tmp_path: Path):
     got = eng.generate(PROMPTS, 2, temperature=1.0, top_p=0.9, max_new_tokens=5, seed=7)
     reference = hf(lm(0))
     for i, prompt in enumerate(PROMPTS):
-        for j in range(2):  # sample j of prompt i is request i * n + j, seeded 7 + i * 2 + j
+        for j in range(2):  # sample j of prompt i is request i * n + j, seeded (7, i, j)
             [want] = reference.generate([prompt], 1, temperature=1.0, top_p=0.9,
-                                        max_new_tokens=5, seed=7 + i * 2 + j)[0]
+                                        max_new_tokens=5, seed=mixed_seed(7, i, j))[0]
             assert (got[i][j].token_ids, got[i][j].finish_reason) == (want.token_ids,
                                                                       want.finish_reason)
             # the stand-in's model was read back from disk: float32 rounding may differ

@@ -52,6 +52,13 @@ def test_calculator_episode():
     env.reset(ITEM)
     assert env.step("Answer = 41").reward == 0.0
     assert env.step("I do not know") == type(r)("", 0.0, True)  # neither tool nor answer
+    # a whole-number answer is matched exactly, up to a tool's float noise: a relative
+    # tolerance of 1e-6 took 1234001 for 1234000
+    big = TaskItem(prompt_id="p2", prompt="1233999 + 1?", answer="1234000", category="sum")
+    env.reset(big)
+    assert env.step("answer: 1234001").reward == 0.0
+    env.reset(big)
+    assert env.step("answer: 1234000.0000000002").reward == 1.0
 
 
 def test_python_tool_runs_the_policys_code_in_the_sandbox(monkeypatch):

@@ -31,6 +31,7 @@ def test_parse_number_forms():
     assert parse_number("3/4") == Fraction(3, 4)
     assert parse_number("\\frac{3}{4}") == Fraction(3, 4)
     assert parse_number("$2e3$.") == 2000
+    assert parse_number("12{,}345") == 12345  # LaTeX's thousands separator
     assert parse_number("x+1") is None
     assert parse_number("1/0") is None
 

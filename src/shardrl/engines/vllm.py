@@ -1,6 +1,6 @@
 """Generation with vLLM (the GPU rollout image), behind the same `Engine` interface as `hf`.
 
-- Sampling: one vLLM request per sample (seed `seed + i * n + j` for sample j of prompt i), so
+- Sampling: one vLLM request per sample (seed `mixed_seed(seed, i, j)` for sample j of prompt i), so
   the samples of a group differ and a run is reproducible whatever vLLM does with `n`.
 - Behaviour logprobs: `logprobs=0` returns the sampled token's logprob, and
   `logprobs_mode="processed_logprobs"` makes it the logprob under the distribution the token
@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from .base import Sample
+from .base import Sample, mixed_seed
 from .hf import HFEngine
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class VLLMEngine:
                 requests.append({"prompt_token_ids": list(prompt)})
                 params.append(self.make_params(
                     n=1, temperature=max(temperature, 0.0), top_p=1.0 if greedy else top_p,
-                    max_tokens=max_new_tokens, seed=seed + i * n + j, logprobs=0,
+                    max_tokens=max_new_tokens, seed=mixed_seed(seed, i, j), logprobs=0,
                     stop_token_ids=[self.eos_token_id], detokenize=False))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [to_sample(out.outputs[0], greedy) for out in outputs]

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 EVAL_SEED = 12_345
 CONFIRM_SEED = EVAL_SEED + 2**30
 """Sampling seed of the confirming evaluation: draws independent of the ones the choice
-was made on. Far from `EVAL_SEED`: an engine that seeds sample j of prompt i with
-`seed + i * n + j` (vLLM) would otherwise repeat most of those draws."""
+was made on (far from `EVAL_SEED` too, for an engine that would seed sample j of prompt i
+with `seed + i * n + j`)."""
 NOT_FIGURES = ("seconds", "temperature", "published", "evaluated")
 """A summary's numbers that are not the evaluation's figures: its timing and settings."""
 

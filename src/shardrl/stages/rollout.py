@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..config.stages import StandbyConfig
+from ..engines.base import mixed_seed
 from ..store import Store, StoreError
 from ..store.keys import parse_shard_key
 from ..store.records import Buffered, Progress, RetiredPrompts, Taken, WorkerState
@@ -155,7 +156,7 @@ def main(ctx: StageContext) -> int:
             with ctx.cores.busy():
                 sampling = dict(temperature=rc.temperature, top_p=rc.top_p,
                                 max_new_tokens=rc.max_new_tokens,
-                                seed=cfg.seed * 1_000_003 + ctx.worker * 100_003 + first)
+                                seed=mixed_seed(cfg.seed, ctx.worker, first))
                 if episodes is None:
                     groups = engine.engine.generate(prompt_ids, rc.group_size, **sampling)
                 else:

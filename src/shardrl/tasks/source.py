@@ -134,15 +134,18 @@ def _dataset(cfg: RunConfig) -> TaskData:
     heldout = [_templated(it, source.prompt_template) for it in load_items(source.eval_path)]
     if not train or not heldout:
         raise ValueError("task dataset: both train_path and eval_path need at least one row")
-    held = {it.prompt for it in heldout}
-    if leaked := [it for it in train if it.prompt in held]:
+    def same(prompt: str) -> str:  # what a chat template that trims would make of it
+        return " ".join(prompt.split())
+
+    held = {same(it.prompt) for it in heldout}
+    if leaked := [it for it in train if same(it.prompt) in held]:
         # trained on, they would make the held-out pass rate read high: the held-out set
         # keeps them, as a built-in task's splits are disjoint by construction
         shown = ", ".join(repr(it.prompt[:60]) for it in leaked[:3])
         logging.getLogger("shardrl.task").warning(
             "%d training row(s) of %s hold a prompt of the held-out set %s (e.g. %s): left "
             "out of training", len(leaked), source.train_path, source.eval_path, shown)
-        train = [it for it in train if it.prompt not in held]
+        train = [it for it in train if same(it.prompt) not in held]
     n_val = min(VALIDATION_ITEMS, max(1, len(train) // 10))
     if len(train) <= n_val:
         raise DatasetError(f"{source.train_path}: {len(train)} training row(s) (held-out "

@@ -63,10 +63,10 @@ def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """Exact value of a number written as `1,234`, `-0.5`, `3/4`, `\\frac{3}{4}`, `2e3`, `$5`;
-    None for anything else, and for exponents beyond +-`MAX_EXPONENT` (the exact value of
-    `1e999999999` would take hours to compute)."""
-    s = _FRAC.sub(r"(\1)/(\2)", text.strip().rstrip(".").strip("$"))
+    """Exact value of a number written as `1,234`, `1{,}234`, `-0.5`, `3/4`, `\\frac{3}{4}`,
+    `2e3`, `$5`; None for anything else, and for exponents beyond +-`MAX_EXPONENT` (the
+    exact value of `1e999999999` would take hours to compute)."""
+    s = _FRAC.sub(r"(\1)/(\2)", text.strip().rstrip(".").strip("$").replace("{,}", ","))
     s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s).replace(" ", "").replace("(", "").replace(")", "")
     if any(len(e.lstrip("0")) > 4 or int(e) > MAX_EXPONENT for e in _EXPONENT.findall(s)):
         return None
