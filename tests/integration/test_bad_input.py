@@ -276,6 +276,18 @@ def test_prompts_longer_than_the_context_are_recorded_and_skipped(run):
     assert 82 + cfg.rollout.max_new_tokens > window
     assert record["reason"] == "prompt_too_long" and record["context"] == window
     assert record["prompts"] == [{"prompt_id": "long", "prompt_tokens": 82}]
+    # a prompt that encodes to no token (a tokenizer that adds no <s>) is skipped too: it
+    # would be sampled from padding alone, and the learner would refuse its rows
+    empty = TaskItem("empty", "", "0", "default")
+    encode = engine.encode
+    engine.encode = lambda prompts: [[] if p == "" else ids
+                                     for p, ids in zip(prompts, encode(prompts), strict=True)]
+    fitting, ids = _fitting(ctx, engine, [items[0], empty, long], seq=8)
+    assert fitting == [items[0]] and ids == encode([items[0].prompt])
+    record = store.get_json(ctx.keys.quarantine("rollout", ctx.keys.root + "prompts/w00-000008.json"))
+    assert record["reason"] == "empty_prompt_or_too_long"
+    assert record["prompts"] == [{"prompt_id": "empty", "prompt_tokens": 0},
+                                 {"prompt_id": "long", "prompt_tokens": 82}]
 
 
 def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):

@@ -146,10 +146,11 @@ def main(ctx: StageContext) -> int:
 
                     raise ConfigError("the run's config", [FieldError(
                         "rollout.max_new_tokens",
-                        f"{skipped} rollout shards in a row had only prompts longer than the "
-                        f"context ({engine.context} tokens with max_new_tokens "
-                        f"{rc.max_new_tokens}): shorten the prompts, lower "
-                        "rollout.max_new_tokens or use a model with a longer context")])
+                        f"{skipped} rollout shards in a row had only prompts that are empty "
+                        f"or longer than the context ({engine.context} tokens with "
+                        f"max_new_tokens {rc.max_new_tokens}; see quarantine/rollout/prompts/):"
+                        " shorten the prompts, lower rollout.max_new_tokens or use a model "
+                        "with a longer context")])
             if not shards:
                 continue
             started, cpu_started = time.monotonic(), time.thread_time()
@@ -615,25 +616,28 @@ class Standby:
 
 def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,
              ) -> tuple[list, list[list[int]]]:
-    """The items whose prompt leaves room for max_new_tokens in the model's context, and
-    their prompts' token ids (encoded once, here); the others are recorded under
-    quarantine/rollout/prompts/ with the reason."""
-    budget = ctx.cfg.rollout.max_new_tokens
+    """The items whose prompt has a token and leaves room for max_new_tokens in the model's
+    context, and their prompts' token ids (encoded once, here); the others are recorded
+    under quarantine/rollout/prompts/ with the reason. An empty prompt (a tokenizer that adds
+    no BOS) would be sampled from padding alone, and the learner would refuse its rows."""
+    budget, context = ctx.cfg.rollout.max_new_tokens, engine.context
     encoded = engine.encode([it.prompt for it in items])
-    if engine.context is None:
-        return items, encoded
     lengths = [len(ids) for ids in encoded]
-    fits = [n + budget <= engine.context for n in lengths]
+    fits = [0 < n and (context is None or n + budget <= context) for n in lengths]
     if all(fits):
         return items, encoded
-    too_long = [{"prompt_id": it.prompt_id, "prompt_tokens": n}
-                for it, n, ok in zip(items, lengths, fits, strict=True) if not ok]
+    unfit = [{"prompt_id": it.prompt_id, "prompt_tokens": n}
+             for it, n, ok in zip(items, lengths, fits, strict=True) if not ok]
+    empty = sum(1 for p in unfit if p["prompt_tokens"] == 0)
     key = ctx.keys.quarantine("rollout", ctx.keys.root + f"prompts/w{ctx.worker:02d}-{seq:06d}.json")
     ctx.store.put_json(key, {
-        "reason": "prompt_too_long", "context": engine.context, "max_new_tokens": budget,
-        "message": f"prompt tokens + max_new_tokens {budget} exceed the model's context of "
-                   f"{engine.context} tokens", "prompts": too_long, "time": time.time()})
-    ctx.log.warning("%d prompt(s) longer than the context skipped: %s", len(too_long), key)
+        "reason": "prompt_too_long" if not empty else "empty_prompt" if empty == len(unfit)
+        else "empty_prompt_or_too_long", "context": context, "max_new_tokens": budget,
+        "message": f"a prompt needs a token, and its tokens + max_new_tokens {budget} must fit "
+                   f"the model's context of {context} tokens", "prompts": unfit,
+        "time": time.time()})
+    ctx.log.warning("%d prompt(s) skipped (%d empty, %d longer than the context): %s",
+                    len(unfit), empty, len(unfit) - empty, key)
     return ([it for it, ok in zip(items, fits, strict=True) if ok],
             [ids for ids, ok in zip(encoded, fits, strict=True) if ok])
 
