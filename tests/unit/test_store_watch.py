@@ -20,6 +20,16 @@ def _later(delay: float, action) -> threading.Thread:
     return t
 
 
+def _woken_by(watch, action) -> float:
+    """Seconds until `action`, run 50 ms from now on another thread, wakes `watch`."""
+    t = _later(0.05, action)
+    started = time.monotonic()
+    assert watch.wait(5.0) is True
+    woke = time.monotonic() - started
+    t.join()
+    return woke
+
+
 def test_folder_store_wakes_on_a_commit_in_a_new_version_folder(tmp_path):
     store = LocalStore(tmp_path)
     watch = store.watch("runs/r/ready/", depth=1)
@@ -27,19 +37,13 @@ def test_folder_store_wakes_on_a_commit_in_a_new_version_folder(tmp_path):
         pytest.skip("no inotify on this system")
     assert watch.wait(0.05) is False  # nothing committed: the full timeout, then False
     # a new version folder appears (wakes: objects may land before its watch), then a shard
-    t = _later(0.05, lambda: store.put_bytes("runs/r/ready/v000001/w00-000000.parquet", b"x"))
-    started = time.monotonic()
-    assert watch.wait(5.0) is True
-    assert time.monotonic() - started < 2.0
-    t.join()
+    assert _woken_by(watch, lambda: store.put_bytes("runs/r/ready/v000001/w00-000000.parquet",
+                                                    b"x")) < 2.0
     while watch.wait(0.05):  # drain what that commit reported
         pass
     # a second shard in the now-watched folder wakes the waiter within milliseconds
-    t = _later(0.05, lambda: store.put_bytes("runs/r/ready/v000001/w00-000001.parquet", b"y"))
-    started = time.monotonic()
-    assert watch.wait(5.0) is True
-    woke = time.monotonic() - started
-    t.join()
+    woke = _woken_by(watch, lambda: store.put_bytes("runs/r/ready/v000001/w00-000001.parquet",
+                                                    b"y"))
     assert woke < 1.0, woke
     watch.close()
 
@@ -64,11 +68,7 @@ def test_a_write_first_commit_wakes_the_waiter(tmp_path):
     watch = store.watch("runs/r/", depth=0)
     if not isinstance(watch, InotifyWatch):
         pytest.skip("no inotify on this system")
-    t = _later(0.05, lambda: store.put_if_absent("runs/r/ABORTED.json", b"{}"))
-    started = time.monotonic()
-    assert watch.wait(5.0) is True
-    woke = time.monotonic() - started
-    t.join()
+    woke = _woken_by(watch, lambda: store.put_if_absent("runs/r/ABORTED.json", b"{}"))
     assert woke < 1.0, woke
     watch.close()
 

@@ -70,18 +70,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _INT = re.compile(r"[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)\Z")
 _FLOAT = re.compile(r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?\Z"
                     r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z")
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+def _resolve_numbers_as_yaml_1_2(cls: type) -> None:
+    """Have a loader or dumper class take plain scalars matching YAML 1.2's numbers as such."""
+    cls.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+    cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
 
 
 def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
     """Plain scalars read as numbers the way YAML 1.2 reads them, not 1.1 (PyYAML's): `010`
     is ten, not octal eight (`0o10` is eight); `1:30` is text, not ninety seconds; `1e-4` is
     a number, not text. Underscores between digits stay allowed (`1_000`)."""
-    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
     loader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (int_tag, float_tag)]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    loader.add_implicit_resolver(int_tag, _INT, list("-+0123456789"))
-    loader.add_implicit_resolver(float_tag, _FLOAT, list("-+.0123456789"))
+    _resolve_numbers_as_yaml_1_2(loader)
 
     def integer(self, node) -> int:
         text = self.construct_scalar(node).replace("_", "")
@@ -94,7 +99,7 @@ def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
                 None, None, f"cannot read {text[:20]}... as a number: {exc}",
                 node.start_mark) from None
 
-    loader.add_constructor(int_tag, integer)
+    loader.add_constructor(_INT_TAG, integer)
 
 
 _numbers_as_yaml_1_2(_UniqueKeyLoader)
@@ -105,9 +110,7 @@ class _NumberQuotingDumper(yaml.SafeDumper):
     `09`), so that what it writes reads back as written, here and in any other reader."""
 
 
-_NumberQuotingDumper.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
-_NumberQuotingDumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT,
-                                           list("-+.0123456789"))
+_resolve_numbers_as_yaml_1_2(_NumberQuotingDumper)  # besides YAML 1.1's, which it keeps
 
 
 def dump_yaml(data: Any) -> str:
