@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -390,12 +391,23 @@ def _memory(r: dict) -> Iterator[Row]:
 
 
 def _demo(r: dict) -> Iterator[Row]:
+    from bench.curves import binomial_se
+
     for row in r["rows"]:
         at = f" v{row['rl_version']}" if "rl_version" in row else ""
         yield (f"demo seed {row['seed']}",
                f"pass@1 SFT -> RL{at} (SFT continued as long, {row['rl_seconds']:.0f} s, as "
                "control)", "",
                f"{row['sft_plateau']:.3f} -> {row['rl_final']:.3f} ({row['sft_continued']:.3f})")
+        n = row.get("heldout_prompts")
+        if not n:  # written before the benchmark recorded its evaluation's size
+            continue
+        rl, control = row["rl_final"], row["sft_continued"]
+        # both evaluations draw on the same prompts; the unpaired error ignores that pairing
+        se = math.hypot(binomial_se(rl, n), binomial_se(control, n))
+        yield (f"demo seed {row['seed']}",
+               f"RL - SFT continued, pass@1 points (± unpaired binomial SE, n = {n} each)",
+               ">= +10", f"{100 * (rl - control):+.1f} ± {100 * se:.1f}")
 
 
 def _mismatch(r: dict) -> Iterator[Row]:

@@ -30,7 +30,7 @@ from bench.curves import (
     value_at,
     values_at,
 )
-from bench.run_all import _spread, _trl
+from bench.run_all import _demo, _spread, _trl
 from bench.trl_bench import (
     MACHINE_STAGES,
     choose_baseline,
@@ -587,3 +587,14 @@ def test_peak_memory_comes_from_what_the_trl_benchmark_recorded(tmp_path, monkey
     memory = json.loads(results.read_text())["memory"]
     assert memory["peak_rss_mb"] == {"learn": 1000.0, "rollout": 1100.0}
     assert memory["run"] == "seed 1"
+
+
+def test_demo_rows_give_rl_over_the_control_with_its_unpaired_standard_error():
+    row = {"seed": 3, "sft_plateau": 0.5, "rl_final": 0.9, "rl_version": 60,
+           "sft_continued": 0.5, "rl_seconds": 3.4, "heldout_prompts": 100}
+    rows = list(_demo({"rows": [row]}))
+    assert rows[0][3] == "0.500 -> 0.900 (0.500)"
+    # sqrt(0.9 x 0.1 / 100 + 0.5 x 0.5 / 100) = sqrt(0.0034) = 0.0583: 5.8 points
+    assert rows[1][2:] == (">= +10", "+40.0 ± 5.8")
+    older = {k: v for k, v in row.items() if k != "heldout_prompts"}
+    assert len(list(_demo({"rows": [older]}))) == 1  # no size recorded: no error given
