@@ -221,6 +221,26 @@ def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
         parse_yaml("a: 0" + "9" * 5000, "test")
 
 
+def test_booleans_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """YAML 1.1 read `yes`, `no`, `on` and `off` as booleans, so `name: no` in a file was
+    refused as not text; only `true` and `false` are booleans now, and a boolean setting
+    still takes the words."""
+    from shardrl.config.loader import dump_yaml, parse_yaml
+
+    read = parse_yaml("a: yes\nb: No\nc: on\nd: OFF\ne: true\nf: False\ng: TRUE\nh: tRue\n"
+                      "i: y\n", "test")
+    assert read == {"a": "yes", "b": "No", "c": "on", "d": "OFF", "e": True, "f": False,
+                    "g": True, "h": "tRue", "i": "y"}
+    f = tmp_path / "c.yaml"
+    f.write_text("extends: demo\nname: no\nmodel: {fp32_lm_head: off}\n")
+    cfg = load_config(f)
+    assert (cfg.name, cfg.model.fp32_lm_head) == ("no", False)
+    assert load_config("demo", ["model.fp32_lm_head=on"]).model.fp32_lm_head is True
+    # written back, the word is quoted: any YAML 1.1 reader takes it as text too
+    f.write_text(dump_yaml(cfg.model_dump(mode="json")))
+    assert "name: 'no'" in f.read_text() and load_config(f) == cfg
+
+
 def test_overrides_that_switch_a_variant_do_not_depend_on_their_order():
     """A setting of the new variant given before the switch used to be dropped silently."""
     for items in (["algo.loss.eps_low=0.001", "algo.loss.kind=gspo"],

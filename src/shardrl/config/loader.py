@@ -50,7 +50,7 @@ def preset_names() -> list[str]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
     last one without a word, so an earlier `learner:` block would be dropped unseen), and
-    reading numbers as YAML 1.2 does (`_numbers_as_yaml_1_2`)."""
+    reading numbers and booleans as YAML 1.2 does (`_scalars_as_yaml_1_2`)."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
@@ -70,7 +70,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _INT = re.compile(r"[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)\Z")
 _FLOAT = re.compile(r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?\Z"
                     r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z")
+_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE\Z")
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
 
 
 def _resolve_numbers_as_yaml_1_2(cls: type) -> None:
@@ -79,14 +81,18 @@ def _resolve_numbers_as_yaml_1_2(cls: type) -> None:
     cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
 
 
-def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
-    """Plain scalars read as numbers the way YAML 1.2 reads them, not 1.1 (PyYAML's): `010`
-    is ten, not octal eight (`0o10` is eight); `1:30` is text, not ninety seconds; `1e-4` is
-    a number, not text. Underscores between digits stay allowed (`1_000`)."""
+def _scalars_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
+    """Plain scalars read as numbers and booleans the way YAML 1.2 reads them, not 1.1
+    (PyYAML's): `010` is ten, not octal eight (`0o10` is eight); `1:30` is text, not ninety
+    seconds; `1e-4` is a number, not text; `yes`, `no`, `on` and `off` are text (a setting
+    that is a boolean still takes them), only `true` and `false` are booleans. Underscores
+    between digits stay allowed (`1_000`)."""
+    replaced = (_INT_TAG, _FLOAT_TAG, _BOOL_TAG)
     loader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in replaced]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     _resolve_numbers_as_yaml_1_2(loader)
+    loader.add_implicit_resolver(_BOOL_TAG, _BOOL, list("tTfF"))
 
     def integer(self, node) -> int:
         text = self.construct_scalar(node).replace("_", "")
@@ -102,12 +108,13 @@ def _numbers_as_yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
     loader.add_constructor(_INT_TAG, integer)
 
 
-_numbers_as_yaml_1_2(_UniqueKeyLoader)
+_scalars_as_yaml_1_2(_UniqueKeyLoader)
 
 
 class _NumberQuotingDumper(yaml.SafeDumper):
-    """YAML's safe dumper, quoting text that YAML 1.1 or 1.2 reads as a number (`1e5`,
-    `09`), so that what it writes reads back as written, here and in any other reader."""
+    """YAML's safe dumper, quoting text that YAML 1.1 or 1.2 reads as a number or a
+    boolean (`1e5`, `09`, `on`), so that what it writes reads back as written, here and in
+    any other reader."""
 
 
 _resolve_numbers_as_yaml_1_2(_NumberQuotingDumper)  # besides YAML 1.1's, which it keeps
