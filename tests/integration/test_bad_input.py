@@ -302,6 +302,39 @@ def test_a_task_whose_every_prompt_is_too_long_fails_clearly(run):
     assert len(store.list(keys.root + "quarantine/rollout/prompts/")) == MAX_EMPTY_SHARDS
 
 
+def test_held_out_prompts_that_leave_no_room_stop_the_evaluation_before_it_samples(run):
+    """An evaluation cannot skip held-out prompts as rollout does (its pass@1 would be over
+    other items than its setup names): it stops with the config error, naming them."""
+    from shardrl.config import ConfigError
+    from shardrl.stages.evaluate import evaluate_version
+
+    store, cfg, run_id, _ = run
+    window = cfg.model.source.max_position_embeddings
+    cfg = replace(cfg, {"eval.max_new_tokens": window - 2})  # room for a 2-token prompt
+    ctx = context(store, cfg, run_id, "evaluate")
+    engine = PolicyEngine(ctx, 0)
+    task = make_task(cfg)
+    sizes = [len(ids) for ids in engine.encode([it.prompt for it in task.heldout])]
+    assert min(sizes) > 2 and len(sizes) == 16  # none of the 16 fits
+    sampled = []
+    engine.engine.generate = lambda *a, **k: sampled.append(a) or []
+    with pytest.raises(ConfigError) as err:
+        evaluate_version(ctx, engine, task, 0)
+    (problem,) = err.value.errors
+    first = task.heldout[0]
+    assert problem.path == "eval.max_new_tokens"
+    assert (f"16 of 16 held-out prompt(s) are empty or leave no room for {window - 2} new "
+            f"tokens in the model's context of {window} tokens: {first.prompt_id} "
+            f"({sizes[0]} tokens)") in problem.message
+    assert problem.message.count(" tokens), ") == 4 and "and 11 more" in problem.message
+    assert sampled == [] and store.list(RunKeys(run_id).root + "eval/") == []
+    # with room for every prompt, the same evaluation runs
+    del engine.engine.generate
+    cfg = replace(cfg, {"eval.max_new_tokens": window - max(sizes)})
+    ctx = context(store, cfg, run_id, "evaluate")
+    assert evaluate_version(ctx, engine, task, 0)["prompts"] == 16
+
+
 def test_a_run_whose_prompts_never_fit_stops_at_once_saying_why(tmp_path):
     """A rollout worker that finds the config invalid exits 2 and writes the run's abort
     marker with the reason: the runner stops the run at once, with no restart."""

@@ -249,6 +249,7 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     episodes = episode_runner(ctx, engine)  # multi-turn: the environment's return is the reward
     with ctx.cores.busy():
         prompt_ids = engine.encode([it.prompt for it in items])
+        _check_fit(ctx, engine, items, prompt_ids)
         groups = (engine.engine.generate(prompt_ids, n, **sampling) if episodes is None
                   else episodes.run(items, prompt_ids, n, **sampling))
     cols: dict[str, list] = {name: [] for name in EVAL.names}
@@ -298,6 +299,31 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],
                  summary["mean_length"])
     return summary
+
+
+def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list[int]],
+               shown: int = 5) -> None:
+    """Refuse held-out prompts that have no token or leave no room for the evaluation's
+    `max_new_tokens` in the model's context. Rollout skips such prompts and records them;
+    an evaluation cannot: a pass@1 over fewer items is not the figure its setup hash names,
+    and a model sampled past its context scores what it was never trained to produce. So
+    the stage stops as it does on an invalid config, before it samples (with the HF engine
+    that is the snapshot stage's evaluation of version 0, before the RL phase starts)."""
+    budget, context = ctx.cfg.eval_max_new_tokens, engine.context
+    unfit = [(it.prompt_id, len(ids)) for it, ids in zip(items, prompt_ids, strict=True)
+             if not ids or (context is not None and len(ids) + budget > context)]
+    if not unfit:
+        return
+    from ..config import ConfigError, FieldError
+
+    listed = ", ".join(f"{pid} ({n} tokens)" for pid, n in unfit[:shown])
+    more = f" and {len(unfit) - shown} more" if len(unfit) > shown else ""
+    field = "eval.max_new_tokens" if ctx.cfg.eval.max_new_tokens else "rollout.max_new_tokens"
+    raise ConfigError("the run's config", [FieldError(field, (
+        f"{len(unfit)} of {len(items)} held-out prompt(s) are empty or leave no room for "
+        f"{budget} new tokens in the model's context of {context} tokens: {listed}{more}; "
+        "shorten those prompts, lower the evaluation's max_new_tokens or use a model with a "
+        "longer context"))])
 
 
 def summarize(table: pa.Table) -> dict:
