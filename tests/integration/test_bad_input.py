@@ -344,13 +344,34 @@ def test_a_run_whose_prompts_never_fit_stops_at_once_saying_why(tmp_path):
     path.write_text(CONFIG)
     res = run_cli(["run", str(path), "--store", str(tmp_path / "store"), "--run-id", "long",
                    "--no-progress", "--set", "model.sft.enabled=false",
-                   "--set", "rollout.max_new_tokens=31"], tmp_path, timeout=300)
+                   "--set", "rollout.max_new_tokens=31", "--set", "eval.max_new_tokens=5"],
+                  tmp_path, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]
     assert "run aborted: rollout" in out and "invalid config: rollout.max_new_tokens" in out
     assert "restarting in" not in out, out[-3000:]
     marker = Aborted.read(LocalStore(tmp_path / "store"), RunKeys("long").aborted())
     assert (marker.stage, marker.exit_code, marker.restarts) == ("rollout", 2, 0)
+
+
+def test_a_run_whose_held_out_prompts_do_not_fit_stops_in_the_snapshot(tmp_path):
+    """The evaluation's budget defaults to the rollout's: the snapshot's evaluation of v0
+    finds the held-out prompts too long and the run stops there, before any RL stage."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    res = run_cli(["run", str(path), "--store", str(tmp_path / "store"), "--run-id", "long",
+                   "--no-progress", "--set", "model.sft.enabled=false",
+                   "--set", "rollout.max_new_tokens=31"], tmp_path, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    assert "snapshot failed (exit 2)" in out, out[-3000:]
+    assert ("invalid config: rollout.max_new_tokens: 16 of 16 held-out prompt(s) are empty or "
+            "leave no room for 31 new tokens in the model's context of 32 tokens") in out
+    # the RL phase never started: no progress line (its first comes once v0 is evaluated)
+    assert "restarting in" not in out and "step 0/" not in out
+    keys = RunKeys("long")
+    store = LocalStore(tmp_path / "store")
+    assert not store.exists(keys.run_json()) and store.list(keys.root + "rollouts/") == []
 
 
 def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
