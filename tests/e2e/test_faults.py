@@ -191,8 +191,8 @@ def undisturbed(tmp_path_factory) -> tuple[Store, str, float]:
     wall = time.monotonic() - started
     assert proc.returncode == 0, text[-4000:]
     # tracking off: the summary names the version promote chose, and no registry or MLflow
-    chosen = (r"chosen version    policy v\d+ \(pass_at_1 [01]\.\d{3}( confirmed on fresh samples "
-              r"\([01]\.\d{3} when chosen\))?; tracking is off")
+    chosen = (r"chosen version    policy v\d+ \(pass_at_1 [01]\.\d{3} ± 0\.\d{3}( confirmed on "
+              r"fresh samples \([01]\.\d{3} when chosen\))?; tracking is off")
     assert re.search(chosen, text), text[-3000:]
     assert "registered model" not in text and "MLflow  " not in text
     return open_store(store_path), "calm", wall

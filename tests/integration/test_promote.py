@@ -37,9 +37,9 @@ def _stage(name: str, cfg: Path, store: Path, run_id: str, cwd: Path,
 
 
 def _fake_evals(store: Path, run_id: str, values: dict[int, float],
-                setup: str | None = None) -> None:
-    """Evaluation summaries of `values` (version: pass@1), measured in `setup` if given, and
-    the learner's DONE.json."""
+                setup: str | None = None, se: float | None = None) -> None:
+    """Evaluation summaries of `values` (version: pass@1, with standard error `se` if given),
+    measured in `setup` if given, and the learner's DONE.json."""
     (store / "runs" / run_id / "DONE.json").write_text(json.dumps(
         {"steps": max(values), "counts": {}, "time": 0.0, "staleness": {}, "converged": False}))
     d = store / "runs" / run_id / "eval"
@@ -51,7 +51,8 @@ def _fake_evals(store: Path, run_id: str, values: dict[int, float],
         (d / f"v{version:06d}.json").write_text(json.dumps(
             {"pass_at_1": value, "mean_reward": value, "mean_length": 3.0, "version": version,
              "seconds": 1.5, "published": 1.7e9, "evaluated": 1.7e9 + 9, "temperature": 1.0,
-             **({"setup": setup} if setup else {})}))
+             **({"setup": setup} if setup else {}),
+             **({"pass_at_1_se": se} if se is not None else {})}))
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +232,39 @@ def test_the_chosen_version_is_registered_and_compared_on_its_confirming_evaluat
     assert last["version"] == 10 and last["champion"]  # 0.62 against the confirmed 0.60
     assert c.get_model_version("promo-confirm", last["model_version"]).tags[
         "shardrl.eval_figure"] == "single"
+
+
+def test_a_move_within_the_standard_errors_is_said_to_be_one(registry, caplog):
+    """With margin 0 the champion moves on any difference; when that difference is within one
+    standard error of the two figures, promote says so (and registers the error as a tag)."""
+    tmp, cfg, store = registry
+    named = tmp / "noise.yaml"
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-noise, margin: 0.0, "
+                     "choose: last}\n")
+
+    def promote(run_id: str, value: float) -> dict:
+        shutil.copytree(store / "runs" / "base", store / "runs" / run_id)
+        _fake_evals(store, run_id, {0: 0.1, 5: value}, "n" * 16, se=0.03)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardrl"):
+            return _promote_here(named, store, run_id)
+
+    first = promote("run-n1", 0.50)
+    assert first["champion"] and first["value_se"] == 0.03
+    assert _client(tmp).get_model_version("promo-noise", first["model_version"]).tags[
+        "eval.pass_at_1_se"] == "0.03"
+    assert "standard error" not in caplog.text  # no champion to compare with
+    # +0.02 against a combined error of sqrt(2) x 0.03 = 0.042: moved, and said to be noise
+    close = promote("run-n2", 0.52)
+    assert close["champion"]
+    assert ("eval.pass_at_1 0.520 (± 0.030) against champion version 1's 0.500 (± 0.030): the "
+            "difference is within one standard error of it, so the move is not a clear win"
+            ) in caplog.text
+    # -0.03: kept, also within the noise
+    assert not promote("run-n3", 0.49)["champion"]
+    assert "keeping the champion is not a clear loss either" in caplog.text
+    # +0.10: a clear win, nothing said
+    assert promote("run-n4", 0.62)["champion"] and "standard error" not in caplog.text
 
 
 def _client(tmp: Path):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..stages.evaluate import latest_evaluated, summaries
+from ..stages.evaluate import latest_evaluated, plus_minus, summaries
 from ..store.records import Done, Progress
 from ..tracking.mlflow_run import log_points, open_run, redacted, tracking_uri
 from .accounting import account
@@ -174,16 +174,18 @@ class Monitor:
                      "correct" if done.converged else "")
         print(f"learner steps     {done.steps}{converged}")
         if first and last:
-            print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f} -> final "
-                  f"(v{max(evals)}) {last['pass_at_1']:.3f}  ({first['prompts']} prompts, "
-                  f"T={first['temperature']})")
+            print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f}"
+                  f"{plus_minus(first, 'pass_at_1')} -> final (v{max(evals)}) "
+                  f"{last['pass_at_1']:.3f}{plus_minus(last, 'pass_at_1')}  "
+                  f"({first['prompts']} prompts, T={first['temperature']}; ± a standard error)")
         print(f"samples           {acc.line()}")
         print(f"staleness         {done.staleness} (version lag: admitted samples)")
         # the chosen version's figure, confirmed on fresh samples when it was the best of
         # several (its own evaluation's, the selection, in brackets)
-        figure = (f"{promo['metric']} {promo['value']:.3f} confirmed on fresh samples "
+        se = "" if promo.get("value_se") is None else f" ± {promo['value_se']:.3f}"
+        figure = (f"{promo['metric']} {promo['value']:.3f}{se} confirmed on fresh samples "
                   f"({promo['selected_value']:.3f} when chosen)" if "selected_value" in promo
-                  else f"{promo.get('metric')} {promo.get('value', float('nan')):.3f}")
+                  else f"{promo.get('metric')} {promo.get('value', float('nan')):.3f}{se}")
         if promo.get("model_version") is not None:
             print(f"registered model  {promo.get('model_name')} v{promo.get('model_version')} "
                   f"(policy v{promo['version']}, {figure}"

@@ -291,14 +291,34 @@ def evaluate_version(ctx: StageContext, engine: PolicyEngine, task, version: int
     if confirm:
         summary["seed"] = CONFIRM_SEED
         ctx.store.put_json(ctx.keys.eval_confirm(), summary)
-        ctx.log.info("v%d pass@1 %.3f on fresh samples (the version promote chooses, confirmed)",
-                     version, summary["pass_at_1"])
+        ctx.log.info("v%d pass@1 %.3f%s on fresh samples (the version promote chooses, "
+                     "confirmed)", version, summary["pass_at_1"], plus_minus(summary, "pass_at_1"))
         return summary
     ctx.store.put_json(ctx.keys.eval_summary(version), summary)
     EvalPointer(version=version).write(ctx.store, ctx.keys.eval_latest())
-    ctx.log.info("v%d pass@1 %.3f mean_length %.1f", version, summary["pass_at_1"],
-                 summary["mean_length"])
+    ctx.log.info("v%d pass@1 %.3f%s mean_length %.1f", version, summary["pass_at_1"],
+                 plus_minus(summary, "pass_at_1"), summary["mean_length"])
     return summary
+
+
+def standard_error(values: np.ndarray, prompts: list[str]) -> float | None:
+    """Standard error of the mean of `values` over held-out prompts: the samples of one
+    prompt are not independent draws (a prompt the policy solves it solves in most of its
+    samples), so it is the spread of the prompts' own means, std / sqrt(prompts), with the
+    prompts weighed by their samples as the mean is. With one sample a prompt it is the
+    binomial error sqrt(p (1 - p) / (n - 1)); None with fewer than two prompts."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for prompt, value in zip(prompts, values, strict=True):
+        groups[prompt].append(float(value))
+    if len(groups) < 2:
+        return None
+    means = np.array([np.mean(v) for v in groups.values()])
+    sizes = np.array([len(v) for v in groups.values()], dtype=np.float64)
+    weights = sizes / sizes.sum()
+    mean = float(weights @ means)
+    k = len(groups)
+    # the ratio estimator's variance, with k / (k - 1) for the mean estimated from the data
+    return float(np.sqrt(k / (k - 1) * np.sum(weights ** 2 * (means - mean) ** 2)))
 
 
 def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list[int]],
@@ -326,13 +346,27 @@ def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[
         "longer context"))])
 
 
+def plus_minus(summary: dict, metric: str) -> str:
+    """` ± SE` of a summary's `metric`, or nothing when the summary has none."""
+    se = summary.get(f"{metric}_se")
+    return "" if se is None else f" ± {se:.3f}"
+
+
 def summarize(table: pa.Table) -> dict:
+    """An evaluation's figures: pass@1, mean reward and length, pass@1 per category, and the
+    standard errors of pass@1 and mean reward (`standard_error`)."""
     correct = np.asarray(table.column("correct").to_pylist(), dtype=np.float64)
+    reward = np.asarray(table.column("reward").to_numpy(), dtype=np.float64)
+    prompts = table.column("prompt_id").to_pylist()
     out = {
         "pass_at_1": float(correct.mean()),
-        "mean_reward": float(np.mean(table.column("reward").to_numpy())),
+        "mean_reward": float(reward.mean()),
         "mean_length": float(np.mean(table.column("response_length").to_numpy())),
     }
+    for name, values in (("pass_at_1", correct), ("mean_reward", reward)):
+        se = standard_error(values, prompts)
+        if se is not None:
+            out[f"{name}_se"] = se
     by_cat: dict[str, list[float]] = defaultdict(list)
     for cat, ok in zip(table.column("category").to_pylist(), correct, strict=True):
         by_cat[cat].append(ok)

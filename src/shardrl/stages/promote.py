@@ -63,6 +63,8 @@ def main(ctx: StageContext) -> int:
         figure = "single" if cfg.promote.choose == "last" or len(summaries) == 1 else "selected"
     metric = float(summary[cfg.promote.metric])
     result["value"] = metric
+    if (se := summary.get(f"{cfg.promote.metric}_se")) is not None:
+        result["value_se"] = float(se)
     if cfg.tracking.enabled:
         result.update(register(ctx, version, metric, summary, selected, figure))
     ctx.store.put_json(ctx.keys.state("promote", "result.json"), result)
@@ -172,6 +174,20 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
             c.set_registered_model_alias(name, "previous-champion", champion.version)
         c.set_registered_model_alias(name, "champion", mv.version)
         promoted = True
+    if champion is not None and held is not None and not kept and champion.version != mv.version:
+        # both figures measured the same way: say when their difference is within the noise
+        same = read == key and mine == metric  # not a figure as chosen: no error stored
+        ours_se = summary.get(f"{cfg.promote.metric}_se") if same else None
+        theirs_se = _number(champion.tags.get(f"{key}_se")) if same else None
+        if ours_se is not None and theirs_se is not None \
+                and abs(mine - held) <= math.hypot(ours_se, theirs_se):
+            ctx.log.warning(
+                "promote: %s %.3f (± %.3f) against champion version %s's %.3f (± %.3f): the "
+                "difference is within one standard error of it, so %s; promote.margin (now "
+                "%g) moves the champion only on a larger win", read, mine, ours_se,
+                champion.version, held, theirs_se,
+                "the move is not a clear win" if promoted else "keeping the champion is not a "
+                "clear loss either", margin)
     c.set_tag(run, "shardrl.registered_version", mv.version)
     return {"model_name": name, "model_version": mv.version, "champion": promoted,
             "mlflow_run_id": run, "source": mv.source, **({"champion_kept": kept} if kept else {})}
