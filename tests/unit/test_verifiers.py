@@ -51,6 +51,20 @@ def test_numeric_tolerance():
         numeric("5", "five")
 
 
+def test_numeric_whole_number_answers_take_no_relative_tolerance():
+    """A relative 1e-6 took 1234001 for 1234000: a whole-number answer is matched within
+    float noise only, on the exact values (as floats 1e20 + 1 and 1e20 are one number)."""
+    assert numeric("1234001", "1234000") == 0.0
+    assert numeric("12.000000000000002", "12") == 1.0  # a computed value's float noise
+    assert numeric("100000000000000000001", "1e20") == 0.0
+    assert numeric("1e20", "100000000000000000000") == 1.0
+    assert numeric("1234000.5", "1234000") == 0.0
+    # other answers keep the relative rule; a caller's own tolerance wins
+    assert numeric("1234000.51", "1234000.5") == 1.0  # relative error 8e-9
+    assert numeric("1234001", "1234000", rel_tol=1e-6) == 1.0
+    assert numeric("0.0000000001", "0") == 1.0 and numeric("0.00001", "0") == 0.0
+
+
 def test_final_answer_priority():
     # boxed beats "answer is", which beats "####", which beats the last number.
     assert final_answer("answer is 3, but \\boxed{\\frac{1}{2}} and 9") == "\\frac{1}{2}"

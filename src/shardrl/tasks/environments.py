@@ -140,14 +140,6 @@ def _show(x: Fraction) -> str:
 
 
 _CALL = re.compile(r"calc\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
-def _tolerance(answer: str) -> dict[str, float]:
-    """How close an `answer:` must come to a whole-number answer: within float noise (a
-    tool's 12.000000000000002), never a relative share, which took 1234001 for 1234000."""
-    expected = parse_number(answer)
-    return {"rel_tol": 0.0, "abs_tol": 1e-6} if expected is not None and \
-        expected.denominator == 1 else {}
-
-
 _ANSWER = re.compile(r"\banswer\s*[:=]\s*(\S+)", re.IGNORECASE)
 
 
@@ -173,7 +165,7 @@ class ToolProblem:
             raise RuntimeError("step before reset")
         if m := _ANSWER.search(_CODE.sub("", action)):
             try:
-                reward = numeric(m[1], self.item.answer, **_tolerance(self.item.answer))
+                reward = numeric(m[1], self.item.answer)
             except ArithmeticError:  # e.g. 1e400: no float holds it, so it is not the answer
                 reward = 0.0
             return StepResult("", reward, True)

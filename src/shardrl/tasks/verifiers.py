@@ -154,22 +154,28 @@ def exact_match(response: str, answer: str) -> float:
 
 
 @register_verifier("numeric")
-def numeric(response: str, answer: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+def numeric(response: str, answer: str, rel_tol: float | None = None,
+            abs_tol: float | None = None) -> float:
     """1.0 when the last number of the response is within tolerance of the answer.
 
-    Raises ValueError when the answer itself is not a number (a data error, not the model's).
+    By default a whole-number answer must be matched within float noise (1e-6, so a
+    computed 12.000000000000002 counts), never a relative share, which took 1234001 for
+    1234000; any other answer within a relative 1e-6 (or 1e-9 absolute near zero). Raises
+    ValueError when the answer itself is not a number (a data error, not the model's).
     """
     expected = parse_number(answer)
     if expected is None:
         raise ValueError(f"answer {answer!r} is not a number")
+    whole = expected.denominator == 1
+    rel_tol = (0.0 if whole else 1e-6) if rel_tol is None else rel_tol
+    abs_tol = (1e-6 if whole else 1e-9) if abs_tol is None else abs_tol
     got = last_number(response)
     if got is None:
         return 0.0
-    try:
-        close = math.isclose(float(got), float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
-    except OverflowError:  # beyond a float (1e400): only the exact value can match
-        close = got == expected
-    return 1.0 if close else 0.0
+    # math.isclose's rule on the exact values: no float rounding (1e20 + 1 is not 1e20) and
+    # no overflow (1e400)
+    bound = max(Fraction(rel_tol) * max(abs(got), abs(expected)), Fraction(abs_tol))
+    return 1.0 if abs(got - expected) <= bound else 0.0
 
 
 @register_verifier("math_final_answer")
