@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Protocol
 
 from .builtin import TaskItem
-from .verifiers import numeric, parse_number
+from .verifiers import numeric
 
 
 @dataclass(frozen=True)
