@@ -131,6 +131,14 @@ def test_kl_placement_requires_a_reference():
     assert "needs a reference model" in err.message and "model.reference" in err.message
 
 
+def test_problems_across_sections_are_listed_each_under_the_setting_it_names():
+    errors = _errors({"model": {"reference": "none"}, "algo": {"kl": {"placement": "loss"}},
+                      "eval": {"every": 10_000}, "rollout": {"max_turns": 3}})
+    assert [e.path for e in errors] == ["model.reference", "eval.every", "rollout.max_turns"]
+    assert errors[1].message.startswith("`eval.every` (10000) exceeds `learner.total_steps`")
+    assert "; " not in errors[0].message and "eval.every" not in errors[0].message
+
+
 def test_reward_needs_a_source():
     (err,) = _errors({"reward": {"verifiers": []}})
     assert "reward.verifiers" in err.message
@@ -142,10 +150,10 @@ def test_heads_must_divide_width():
 
 
 def test_vllm_needs_gpu_resources():
-    (err,) = _errors({"rollout": {"engine": "vllm"}})
-    assert "pipeline.resources.rollout.gpus" in err.message
+    rollout, evaluate = _errors({"rollout": {"engine": "vllm"}})
+    assert rollout.path == "pipeline.resources.rollout.gpus"
     # evaluate builds a vLLM engine too: it needs its own GPU
-    assert "pipeline.resources.evaluate.gpus" in err.message
+    assert evaluate.path == "pipeline.resources.evaluate.gpus"
     (err,) = _errors({"rollout": {"engine": "vllm"},
                       "pipeline": {"resources": {"rollout": {"gpus": 1}}}})
     assert "stage evaluate" in err.message and "stage rollout" not in err.message

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .run import RunConfig
+from .run import CrossSectionErrors, RunConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
 # Keys that select a variant of a discriminated union: a child that changes one replaces the
@@ -255,12 +255,25 @@ def validate(data: dict[str, Any], source: str = "<config>") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
+        raise ConfigError(source, [e for err in exc.errors() for e in _described(err)]) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load, merge and validate a run config (a file path or a preset name)."""
     return validate(load_raw(path, overrides), str(path))
+
+
+_NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)")
+
+
+def _described(err: dict[str, Any]) -> list[FieldError]:
+    """The problems one validation error stands for: one, or each of RunConfig's checks that
+    span sections, listed under the first setting its message names."""
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, CrossSectionErrors):
+        return [FieldError(m[1] if (m := _NAMED.search(msg)) else "", msg)
+                for msg in cause.messages]
+    return [_describe(err)]
 
 
 def _describe(err: dict[str, Any]) -> FieldError:

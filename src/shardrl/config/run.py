@@ -23,6 +23,15 @@ from .stages import (
 )
 
 
+class CrossSectionErrors(ValueError):
+    """Problems that span sections, each a message naming its settings in backticks; the
+    loader lists each under the first setting it names."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = messages
+        super().__init__("; ".join(messages))
+
+
 class RunConfig(Section):
     """A complete, validated ShardRL run."""
 
@@ -142,7 +151,7 @@ class RunConfig(Section):
                         f"is {self.rollout.workers} (workers rollout.0 to "
                         f"rollout.{self.rollout.workers - 1})")
         if errors:
-            raise ValueError("; ".join(errors))
+            raise CrossSectionErrors(errors)
         return self
 
     @property
