@@ -236,13 +236,16 @@ def test_booleans_are_read_as_yaml_1_2_reads_them(tmp_path):
     from shardrl.config.loader import dump_yaml, parse_yaml
 
     read = parse_yaml("a: yes\nb: No\nc: on\nd: OFF\ne: true\nf: False\ng: TRUE\nh: tRue\n"
-                      "i: y\n", "test")
+                      "i: y\nj: trueno\nk: False-start\n", "test")
     assert read == {"a": "yes", "b": "No", "c": "on", "d": "OFF", "e": True, "f": False,
-                    "g": True, "h": "tRue", "i": "y"}
+                    "g": True, "h": "tRue", "i": "y", "j": "trueno", "k": "False-start"}
+    assert load_config("demo", ["name=true-baseline"]).name == "true-baseline"
     f = tmp_path / "c.yaml"
-    f.write_text("extends: demo\nname: no\nmodel: {fp32_lm_head: off}\n")
+    f.write_text("extends: demo\nname: no\nmodel: {fp32_lm_head: off}\n"
+                 "tracking: {experiment: falsehood}\n")
     cfg = load_config(f)
     assert (cfg.name, cfg.model.fp32_lm_head) == ("no", False)
+    assert cfg.tracking.experiment == "falsehood"
     assert load_config("demo", ["model.fp32_lm_head=on"]).model.fp32_lm_head is True
     # written back, the word is quoted: any YAML 1.1 reader takes it as text too
     f.write_text(dump_yaml(cfg.model_dump(mode="json")))

@@ -70,7 +70,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _INT = re.compile(r"[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)\Z")
 _FLOAT = re.compile(r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?\Z"
                     r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z")
-_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE\Z")
+_BOOL = re.compile(r"(?:true|True|TRUE|false|False|FALSE)\Z")
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 
