@@ -324,7 +324,7 @@ def test_held_out_prompts_that_leave_no_room_stop_the_evaluation_before_it_sampl
     first = task.heldout[0]
     assert problem.path == "eval.max_new_tokens"
     assert (f"16 of 16 held-out prompt(s) are empty or leave no room for {window - 2} new "
-            f"tokens in the model's context of {window} tokens: {first.prompt_id} "
+            f"token(s) in the model's context of {window} tokens: {first.prompt_id} "
             f"({sizes[0]} tokens)") in problem.message
     assert problem.message.count(" tokens), ") == 4 and "and 11 more" in problem.message
     assert sampled == [] and store.list(RunKeys(run_id).root + "eval/") == []
@@ -366,7 +366,7 @@ def test_a_run_whose_held_out_prompts_do_not_fit_stops_in_the_snapshot(tmp_path)
     assert res.returncode == 1, out[-3000:]
     assert "snapshot failed (exit 2)" in out, out[-3000:]
     assert ("invalid config: rollout.max_new_tokens: 16 of 16 held-out prompt(s) are empty or "
-            "leave no room for 31 new tokens in the model's context of 32 tokens") in out
+            "leave no room for 31 new token(s) in the model's context of 32 tokens") in out
     # the RL phase never started: no progress line (its first comes once v0 is evaluated)
     assert "restarting in" not in out and "step 0/" not in out
     keys = RunKeys("long")

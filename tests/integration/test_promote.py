@@ -265,6 +265,15 @@ def test_a_move_within_the_standard_errors_is_said_to_be_one(registry, caplog):
     assert "keeping the champion is not a clear loss either" in caplog.text
     # +0.10: a clear win, nothing said
     assert promote("run-n4", 0.62)["champion"] and "standard error" not in caplog.text
+    # a best-of-several champion reads high by more than its error: nothing said against it
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-noise, margin: 0.0}}\n")
+    shutil.copytree(store / "runs" / "base", store / "runs" / "run-n5")
+    _fake_evals(store, "run-n5", {0: 0.1, 5: 0.70, 10: 0.65}, "n" * 16, se=0.03)
+    assert _promote_here(named, store, "run-n5")["champion"]  # unconfirmed: "selected"
+    named.write_text(f"extends: {cfg}\npromote: {{model_name: promo-noise, margin: 0.0, "
+                     "choose: last}\n")
+    caplog.clear()
+    assert promote("run-n6", 0.72)["champion"] and "standard error" not in caplog.text
 
 
 def _client(tmp: Path):

@@ -36,7 +36,7 @@ def test_one_sample_a_prompt_gives_the_binomial_error_with_n_minus_one():
 
 def test_prompts_with_more_samples_weigh_more_as_in_the_mean():
     """a: 3 samples all right, b: 1 sample wrong. Mean 0.75 with weights 3/4 and 1/4:
-    sqrt(2 x (0.5625 x 0.0625 + 0.0625 x 0.5625)) = sqrt(0.0703125) = 0.2652."""
+    sqrt(2 x (0.5625 x 0.0625 + 0.0625 x 0.5625)) = sqrt(0.140625) = 0.375."""
     se = standard_error(np.array([1.0, 1.0, 1.0, 0.0]), ["a", "a", "a", "b"])
     assert se == pytest.approx(math.sqrt(2 * 2 * 0.5625 * 0.0625))
     assert summarize(_table(["a", "a", "a", "b"], [True, True, True, False]))["pass_at_1"] == 0.75
@@ -47,3 +47,29 @@ def test_one_prompt_has_no_error_and_the_figures_without_one_print_bare():
     assert "pass_at_1_se" not in s and "mean_reward_se" not in s
     assert plus_minus(s, "pass_at_1") == ""
     assert plus_minus({"pass_at_1_se": 0.0312}, "pass_at_1") == " ± 0.031"
+
+
+def test_an_episode_needs_room_for_one_token_a_single_turn_for_its_budget():
+    """An episode's first turn takes the room left in the context (`episodes._first_turn`);
+    a single-turn evaluation needs its whole `max_new_tokens`."""
+    from types import SimpleNamespace
+
+    from shardrl.config import ConfigError
+    from shardrl.stages.evaluate import _check_fit
+    from shardrl.tasks.builtin import TaskItem
+
+    def ctx(environment):
+        eval_cfg = SimpleNamespace(max_new_tokens=8)
+        return SimpleNamespace(cfg=SimpleNamespace(
+            eval_max_new_tokens=8, eval=eval_cfg, task=SimpleNamespace(environment=environment)))
+
+    items = [TaskItem("short", "1+1=", "2", "add"), TaskItem("long", "x" * 30, "0", "add")]
+    ids = [[1] * 5, [1] * 30]  # a context of 32: 5 + 8 fits, 30 + 8 does not, 30 + 1 does
+    engine = SimpleNamespace(context=32)
+    _check_fit(ctx("calculator"), engine, items, ids)  # no error
+    with pytest.raises(ConfigError, match=r"1 of 2 .* room for 8 new token\(s\) .*: long "
+                                          r"\(30 tokens\)"):
+        _check_fit(ctx(None), engine, items, ids)
+    with pytest.raises(ConfigError, match=r"room for 1 new token\(s\) .*: long \(32 tokens\)"):
+        _check_fit(ctx("calculator"), engine, items, [[1] * 5, [1] * 32])
+    _check_fit(ctx(None), SimpleNamespace(context=None), items, ids)  # no context: no limit

@@ -177,7 +177,8 @@ class Monitor:
             print(f"held-out pass@1   SFT baseline (v0) {first['pass_at_1']:.3f}"
                   f"{plus_minus(first, 'pass_at_1')} -> final (v{max(evals)}) "
                   f"{last['pass_at_1']:.3f}{plus_minus(last, 'pass_at_1')}  "
-                  f"({first['prompts']} prompts, T={first['temperature']}; ± a standard error)")
+                  f"({first['prompts']} prompts, T={first['temperature']}"
+                  f"{'; ± a standard error' if 'pass_at_1_se' in last else ''})")
         print(f"samples           {acc.line()}")
         print(f"staleness         {done.staleness} (version lag: admitted samples)")
         # the chosen version's figure, confirmed on fresh samples when it was the best of

@@ -324,14 +324,17 @@ def standard_error(values: np.ndarray, prompts: list[str]) -> float | None:
 def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[list[int]],
                shown: int = 5) -> None:
     """Refuse held-out prompts that have no token or leave no room for the evaluation's
-    `max_new_tokens` in the model's context. Rollout skips such prompts and records them;
-    an evaluation cannot: a pass@1 over fewer items is not the figure its setup hash names,
-    and a model sampled past its context scores what it was never trained to produce. So
-    the stage stops as it does on an invalid config, before it samples (with the HF engine
-    that is the snapshot stage's evaluation of version 0, before the RL phase starts)."""
+    `max_new_tokens` in the model's context (an episode's first turn takes the room there
+    is, so in an environment a prompt needs room for one token). Rollout skips such prompts
+    and records them; an evaluation cannot: a pass@1 over fewer items is not the figure its
+    setup hash names, and a model sampled past its context scores what it was never trained
+    to produce. So the stage stops as it does on an invalid config, before it samples (with
+    the HF engine that is the snapshot stage's evaluation of version 0, before the RL phase
+    starts)."""
     budget, context = ctx.cfg.eval_max_new_tokens, engine.context
+    room = 1 if ctx.cfg.task.environment is not None else budget
     unfit = [(it.prompt_id, len(ids)) for it, ids in zip(items, prompt_ids, strict=True)
-             if not ids or (context is not None and len(ids) + budget > context)]
+             if not ids or (context is not None and len(ids) + room > context)]
     if not unfit:
         return
     from ..config import ConfigError, FieldError
@@ -341,7 +344,7 @@ def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[
     field = "eval.max_new_tokens" if ctx.cfg.eval.max_new_tokens else "rollout.max_new_tokens"
     raise ConfigError("the run's config", [FieldError(field, (
         f"{len(unfit)} of {len(items)} held-out prompt(s) are empty or leave no room for "
-        f"{budget} new tokens in the model's context of {context} tokens: {listed}{more}; "
+        f"{room} new token(s) in the model's context of {context} tokens: {listed}{more}; "
         "shorten those prompts, lower the evaluation's max_new_tokens or use a model with a "
         "longer context"))])
 

@@ -176,7 +176,8 @@ def register(ctx: StageContext, version: int, metric: float, summary: dict,
         promoted = True
     if champion is not None and held is not None and not kept and champion.version != mv.version:
         # both figures measured the same way: say when their difference is within the noise
-        same = read == key and mine == metric  # not a figure as chosen: no error stored
+        # only two unbiased figures: a best-of-several one reads high by more than its error
+        same = figure in UNBIASED and champion.tags.get(FIGURE_TAG) in UNBIASED
         ours_se = summary.get(f"{cfg.promote.metric}_se") if same else None
         theirs_se = _number(champion.tags.get(f"{key}_se")) if same else None
         if ours_se is not None and theirs_se is not None \
