@@ -421,3 +421,106 @@ def test_the_clip_remedy_suits_the_loss_it_is_for():
     assert "eps now 0.2/0.2, e.g. 0.1 -> 0.2" in ppo
     # the sequence ratio's range is some thousand times a token ratio's
     assert "eps now 0.0003/0.0004, e.g. 1.5x" in gspo and "0.1 -> 0.2" not in gspo
+
+
+# -- found in review: a saturated reward, noisy evaluations, a negative k1 KL, remedy keys --
+def test_a_small_dip_after_a_saturated_reward_is_no_collapse():
+    """Every batch all correct (std 0) for 10 steps, then 1 sample in 40 wrong (mean 0.975,
+    std 0.15): measured against the std before alone, any lasting dip counted. The std after
+    the dip (0.15) says a change of 0.025 is a sixth of one: no E. A fall to 0.5 still is."""
+    s = base()
+    s["score/reward_rm_mean"] = np.r_[np.full(10, 1.0), [0.97, 0.98] * 5]
+    s["score/reward_rm_std"] = np.r_[np.zeros(10), np.full(10, 0.15)]
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    assert codes(metrics(s)) == []
+    s["score/reward_rm_mean"] = np.r_[np.full(10, 1.0), [0.5, 0.52] * 5]
+    s["score/reward_rm_std"] = np.r_[np.zeros(10), np.full(10, 0.5)]
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E" and f.evidence[0].metric == "score/reward_rm_mean"
+    assert f.evidence[0].note == "mean 1 over steps 0-4, 0.704 over steps 8-12"
+
+
+def test_a_held_out_fall_within_the_evaluations_noise_is_no_reward_hacking():
+    """The reward rises; the latest evaluation is 0.06 below the best single one (past
+    eval_drop 0.05), but each has a standard error of 0.05: 2 x sqrt(2) x 0.05 = 0.14 of
+    noise. Without the errors logged, the rule reads as before."""
+    s = base()
+    s["score/reward_rm_mean"] = 0.3 + 0.02 * STEP
+    s["score/reward_rm_std"] = np.full(N, 0.45)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    evals = [0.30, 0.36, 0.41, 0.44, 0.47, 0.46, 0.50, 0.48, 0.53, 0.47]
+    points = [(name, int(i), float(v)) for name, values in s.items()
+              for i, v in enumerate(values)]
+    points += [("evaluate/pass_at_1", 2 * j, v) for j, v in enumerate(evals)]
+    assert codes(Metrics.from_points(points)) == ["D"]
+    errors = [("evaluate/pass_at_1_se", 2 * j, 0.05) for j in range(len(evals))]
+    assert codes(Metrics.from_points(points + errors)) == []
+    # a fall past the noise still counts, and says how much noise it passed
+    points[-1] = ("evaluate/pass_at_1", 18, 0.30)
+    (f,) = diagnose(Metrics.from_points(points + errors), CFG)
+    assert f.code == "D" and f.evidence[1].note == (
+        "latest 0.3 < best 0.53 - eval_drop and 2 standard errors (0.141)")
+
+
+def test_a_negative_kl_estimate_far_from_zero_is_not_stuck_at_zero():
+    cfg = RunConfig.model_validate({"algo": {"kl": {
+        "placement": "reward", "estimator": "k1", "controller": {"kind": "fixed", "beta": 0.05}}}})
+    s = base()
+    s["score/reward_rm_mean"] = np.full(N, 0.3) + 0.01 * np.sin(STEP)
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    s["learn/kl_mean"], s["learn/kl_sum"] = np.full(N, -0.5), np.full(N, -10.0)
+    assert "B" not in codes(metrics(s), cfg)
+    s["learn/kl_mean"] = np.full(N, -0.0001)  # k1 can read just below zero when stuck
+    assert "B" in codes(metrics(s), cfg)
+
+
+def _names_a_setting(cfg: RunConfig, key: str) -> bool:
+    """Whether `key` is a setting of `cfg` (its variants as chosen; a section left None
+    is looked up in the schema)."""
+    from pydantic import BaseModel
+
+    from shardrl.config.loader import _section_at
+
+    node: object = cfg
+    parts = key.split(".")
+    for part in parts:
+        if node is None:
+            return _section_at(RunConfig, tuple(parts)) is not None
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive", "exp"])
+@pytest.mark.parametrize("placement", ["none", "loss", "reward"])
+@pytest.mark.parametrize("advantages", ["group", "gae"])
+@pytest.mark.parametrize("loss", ["cispo", "ppo", "gspo", "dppo_tv"])
+def test_every_remedy_names_settings_the_run_has(controller, placement, advantages, loss):
+    from shardrl.doctor.findings import playbook
+
+    algo = {"kl": {"placement": placement, "controller": {"kind": controller}},
+            "advantages": {"estimator": advantages}, "loss": {"kind": loss}}
+    if advantages == "gae":
+        algo["critic"] = {}
+    cfg = RunConfig.model_validate({"algo": algo})
+    for code in ("A", "B", "C", "D", "E", "advantage", "filtering", "truncation", "drift"):
+        for remedy in playbook(code, cfg)[2]:
+            for key in remedy.keys:
+                assert _names_a_setting(cfg, key), (code, remedy.action, key)
+
+
+def test_a_rule_with_another_metric_to_read_is_not_unassessed():
+    from shardrl.doctor import unassessed
+
+    s = base()
+    s["learn/mismatch_k3"] = np.full(N, 0.01)
+    assert unassessed(metrics(s)) == {}
+    del s["learn/kl_mean"], s["prepare/advantage_abs_max"]
+    s["learn/advantage_abs_max"] = np.full(N, 3.0)
+    assert unassessed(metrics(s)) == {"B": ["learn/kl_mean"]}  # A reads kl_sum instead
+    del s["learn/kl_sum"], s["learn/advantage_abs_max"]
+    assert unassessed(metrics(s)) == {
+        "A": ["learn/kl_mean or learn/kl_sum"], "B": ["learn/kl_mean"],
+        "advantage": ["prepare/advantage_abs_max or learn/advantage_abs_max"]}

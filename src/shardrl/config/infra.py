@@ -271,7 +271,7 @@ class DoctorConfig(Section):
     (with one update per batch only stale samples can be clipped, so the clip fraction
     follows the share of stale samples as much as the size of the step)."""
     kl_low: float = Field(1e-3, ge=0.0)
-    """kl_mean below this is 'stuck at zero'."""
+    """kl_mean within this of zero (either side: k1 can read negative) is 'stuck at zero'."""
     advantage_abs_max: float = Field(100.0, gt=0.0)
     """|advantage| above this is an explosion (ScaleRL alert)."""
     filter_rate_high: float = Field(0.5, gt=0.0, le=1.0)
@@ -295,7 +295,8 @@ class DoctorConfig(Section):
     reward_rise: float = Field(0.5, gt=0.0, le=100.0)
     """reward_rm is climbing when its early-to-recent change exceeds this many reward stds."""
     eval_drop: float = Field(0.05, gt=0.0, le=1.0)
-    """Held-out pass@1 falls when its latest value is this far below its best."""
+    """Held-out pass@1 falls when its latest value is this far below its best (and, when the
+    evaluations record standard errors, noise_z of the two's combined error below it)."""
     agreement_drop: float = Field(0.05, gt=0.0, le=1.0)
     """Verifier pass rate falls when its recent mean is this far below its early mean."""
     length_drift: float = Field(1.5, gt=1.0, le=100.0)
@@ -303,7 +304,8 @@ class DoctorConfig(Section):
     shift_min: float = Field(0.5, gt=0.0, le=100.0)
     """A KL or length level shift must move the mean by this fraction of its level (collapse)."""
     reward_drop: float = Field(1.0, gt=0.0, le=100.0)
-    """A sudden reward drop must lower the mean by this many reward stds (collapse)."""
+    """A sudden reward drop must lower the mean by this many reward stds (collapse): the
+    larger of the within-batch stds before and after the drop."""
     noise_z: float = Field(2.0, ge=0.0, le=100.0)
     """A change between two windows counts only beyond this many standard errors of their means."""
     fit_min_points: int = Field(6, ge=3, le=10000)

@@ -76,9 +76,10 @@ def _kl_strength(cfg: RunConfig, stronger: bool) -> Remedy:
     """'Raise beta / lower target_kl' (stronger) or the reverse, with this run's keys."""
     ctl = cfg.algo.kl.controller
     if cfg.algo.kl.placement == "none":
+        beta = "algo.kl.controller." + ("beta" if ctl.kind == "fixed" else "init_beta")
         return Remedy("KL to the reference is off: turn it on" if stronger else
                       "KL to the reference is off: nothing to relax",
-                      ("algo.kl.placement", "algo.kl.controller.beta") if stronger else ())
+                      ("algo.kl.placement", beta) if stronger else ())
     if ctl.kind == "fixed":
         return Remedy(f"{'raise' if stronger else 'lower'} the KL coefficient beta "
                       f"(now {ctl.beta:g})", ("algo.kl.controller.beta",))
@@ -186,6 +187,8 @@ def playbook(code: str, cfg: RunConfig) -> tuple[str, tuple[str, ...], tuple[Rem
         ), (
             Remedy("normalise the reward with running mean/std", ("algo.shaping.normalize",)),
             Remedy("clip the reward (e.g. +-5 or +-10)", ("algo.shaping.clip",)),
+            Remedy("whiten the advantages over the batch", ("algo.advantages.whiten",))
+            if cfg.algo.advantages.estimator == "gae" else
             Remedy("normalise advantages per batch or per prompt", ("algo.advantages.norm",)),
         )
     if code == "filtering":

@@ -10,7 +10,7 @@ collapse rule look at finite values only; non-finite values are the collapse rul
                       above its mean before (then or at the next step), KL above its limit
                       (kl_mean > kl_mean_high or kl_sum > kl_high) and its past, and staying
                       above the limit over the next w steps (judged once they are there)
-  B  KL stuck at 0    median kl_mean of the last w < kl_low, reward_rm change within
+  B  KL stuck at 0    |median kl_mean| of the last w < kl_low, reward_rm change within
                       reward_flat reward stds (plus noise)
   C  spikes           value_loss, advantage_std or grad_norm > spike_factor x the median of
                       the w points before it
@@ -47,6 +47,7 @@ Rule = Callable[[Metrics, RunConfig], Finding | None]
 REWARD, REWARD_STD, PASS = "score/reward_rm_mean", "score/reward_rm_std", "score/pass_rate"
 KL_SUM, KL_MEAN = "learn/kl_sum", "learn/kl_mean"
 LENGTH, EVAL = "rollout/response_length_mean", "evaluate/pass_at_1"
+EVAL_SE = "evaluate/pass_at_1_se"
 SPIKE_METRICS = ("learn/value_loss", "prepare/advantage_std", "learn/grad_norm")
 
 
@@ -159,9 +160,10 @@ def kl_stuck(m: Metrics, cfg: RunConfig) -> Finding | None:
     kl_recent = float(np.median(kl.values[-w:]))
     early, recent, se = _change(rew, w)
     scale = reward_scale(m)
-    if kl_recent >= d.kl_low or abs(recent - early) > d.reward_flat * scale + d.noise_z * se:
+    if abs(kl_recent) >= d.kl_low or abs(recent - early) > d.reward_flat * scale + d.noise_z * se:
         return None
-    ev = [_recent(kl, w, f"median {kl_recent:.3g} over the last {w} steps < kl_low {d.kl_low:g}"),
+    ev = [_recent(kl, w, f"median {kl_recent:.3g} over the last {w} steps, within "
+                         f"kl_low {d.kl_low:g} of 0"),
           evidence(rew.name, rew.steps, rew.values,
                    f"mean {early:.3g} -> {recent:.3g}: change within {d.reward_flat:g} reward "
                    f"std ({scale:.3g}) + {d.noise_z:g} standard errors ({se:.3g})")]
@@ -217,10 +219,21 @@ def reward_hacking(m: Metrics, cfg: RunConfig) -> Finding | None:
     signs = []
     ev_s = _finite(m, EVAL)
     if ev_s is not None and len(ev_s) >= 2:
-        best = float(np.max(ev_s.values[:-1]))
-        if ev_s.values[-1] < best - d.eval_drop:
+        j = int(np.argmax(ev_s.values[:-1]))
+        best, latest = float(ev_s.values[j]), float(ev_s.values[-1])
+        # the best of several noisy evaluations reads high: the fall must also pass the two
+        # evaluations' noise, when they recorded their standard errors
+        errors = _finite(m, EVAL_SE)
+        noise = 0.0
+        if errors is not None:
+            at = dict(zip(errors.steps.tolist(), errors.values.tolist(), strict=True))
+            se_best, se_latest = at.get(int(ev_s.steps[j])), at.get(int(ev_s.steps[-1]))
+            if se_best is not None and se_latest is not None:
+                noise = d.noise_z * float(np.hypot(se_best, se_latest))
+        if latest < best - max(d.eval_drop, noise):
+            why = f" and {d.noise_z:g} standard errors ({noise:.3g})" if noise else ""
             signs.append(evidence(EVAL, ev_s.steps, ev_s.values,
-                                  f"latest {ev_s.values[-1]:.3g} < best {best:.3g} - eval_drop"))
+                                  f"latest {latest:.3g} < best {best:.3g} - eval_drop{why}"))
     agree = _finite(m, PASS)
     if _trend_ready(agree, d):
         a0, a1, a_se = _change(agree, w)
@@ -290,15 +303,22 @@ def decline(values: np.ndarray, w: int, min_drop: float, noise_z: float
 
 def _min_change(m: Metrics, s: Series, d: DoctorConfig, unit: str) -> Callable[[int], float]:
     """The smallest level change of `s` that counts at index i: shift_min of its level over
-    the w points before ('level'), or reward_drop times the reward std there ('reward')."""
+    the w points before ('level'), or reward_drop times the reward std ('reward'): the larger
+    of its means over the w points before and the w from i. A solved task's batches have
+    std 0 before a dip; measured against that alone, any lasting dip of a few samples
+    counted as a collapse."""
     w = d.window
     if unit == "level":
         return lambda i: d.shift_min * abs(float(np.mean(s.values[i - w:i])))
     std = _finite(m, REWARD_STD)
 
+    def spread(steps: np.ndarray) -> float | None:
+        near = std.values[np.isin(std.steps, steps)] if std is not None else []
+        return float(np.mean(near)) if len(near) else None
+
     def reward(i: int) -> float:
-        near = std.values[np.isin(std.steps, s.steps[i - w:i])] if std is not None else []
-        return d.reward_drop * (float(np.mean(near)) if len(near) else reward_scale(m))
+        sides = [v for v in (spread(s.steps[i - w:i]), spread(s.steps[i:i + w])) if v is not None]
+        return d.reward_drop * (max(sides) if sides else reward_scale(m))
 
     return reward
 
@@ -408,18 +428,20 @@ def policy_drift(m: Metrics, cfg: RunConfig) -> Finding | None:
                         int(s.steps[first]))
 
 
-RULES: tuple[tuple[str, Rule, tuple[str, ...]], ...] = (
-    ("A", kl_blowup, (KL_MEAN, "learn/clip_frac", "learn/entropy")),
+RULES: tuple[tuple[str, Rule, tuple[str | tuple[str, ...], ...]], ...] = (
+    ("A", kl_blowup, ((KL_MEAN, KL_SUM), "learn/clip_frac", "learn/entropy")),
     ("B", kl_stuck, (KL_MEAN, REWARD)),
     ("C", spikes, ("learn/grad_norm",)),
     ("D", reward_hacking, (REWARD,)),
     ("E", collapse, ()),
-    ("advantage", advantage_explosion, ("prepare/advantage_abs_max",)),
+    ("advantage", advantage_explosion,
+     (("prepare/advantage_abs_max", "learn/advantage_abs_max"),)),
     ("filtering", over_filtering, ("prepare/filter_rate",)),
     ("truncation", truncation, ("rollout/truncation_rate",)),
     ("drift", policy_drift, ("learn/mismatch_k3",)),
 )
-"""(code, rule, metrics it needs) in the checklist's order."""
+"""(code, rule, metrics it needs) in the checklist's order; a tuple among them: any one of
+its metrics will do."""
 
 
 def diagnose(m: Metrics, cfg: RunConfig) -> list[Finding]:
@@ -445,5 +467,9 @@ def too_short(m: Metrics, cfg: RunConfig) -> dict[str, str]:
 
 def unassessed(m: Metrics) -> dict[str, list[str]]:
     """Rules that could not look at this run: code -> the metrics it lacks."""
+    def lacking(need: str | tuple[str, ...]) -> str | None:
+        names = (need,) if isinstance(need, str) else need
+        return None if any(n in m for n in names) else " or ".join(names)
+
     return {code: missing for code, _, needs in RULES
-            if (missing := [n for n in needs if n not in m])}
+            if (missing := [n for need in needs if (n := lacking(need)) is not None])}
