@@ -22,13 +22,15 @@ _WORKER_DOC = """
 
 
 def stage_component(name: str, image: str, *, workers: int = 1, once: bool = False,
-                    ranks: int = 1) -> BaseComponent:
+                    ranks: int = 1, stages: tuple[str, ...] | None = None) -> BaseComponent:
     """The container component of stage `name` running in `image`.
 
     With `workers > 1` the component takes a `worker` input (the replica index) and passes
     `--worker/--workers` like the local runner; `once` adds `--once` (one synchronous round);
     `ranks > 1` starts the replica as that many processes under `torchrun`. A looping stage
     runs under `--supervise`, which restarts it inside its container when it crashes.
+    `stages`, the pipeline's stages, are passed as `--stages`: a config pasted into a run
+    that needs other stages is refused instead of waiting for shards no task writes.
     """
     spec = stage(name)
     if workers < 1:
@@ -38,13 +40,13 @@ def stage_component(name: str, image: str, *, workers: int = 1, once: bool = Fal
         def component(config: str, run_id: str, store: str, worker: int) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
                 name, config=config, run_id=run_id, store=store, worker=worker,
-                workers=workers, once=once, ranks=ranks, supervise=spec.loops))
+                workers=workers, once=once, ranks=ranks, supervise=spec.loops, stages=stages))
         args_doc = _ARGS_DOC + _WORKER_DOC
     else:
         def component(config: str, run_id: str, store: str) -> dsl.ContainerSpec:
             return dsl.ContainerSpec(image=image, command=entrypoint(
                 name, config=config, run_id=run_id, store=store, once=once, ranks=ranks,
-                supervise=spec.loops))
+                supervise=spec.loops, stages=stages))
         args_doc = _ARGS_DOC
 
     mode = "one synchronous round" if once else ("until DONE.json" if spec.loops else "once")

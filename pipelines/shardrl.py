@@ -153,7 +153,8 @@ def _add_stage(spec: StageSpec, cfg: RunConfig, registry: str, tag: str | None,
     """One stage's task, fanned out over a ParallelFor when it has several replicas."""
     replicas = spec.replicas(cfg)
     component = stage_component(spec.name, stage_image(spec, cfg, registry, tag),
-                                workers=replicas, once=once, ranks=spec.ranks(cfg))
+                                workers=replicas, once=once, ranks=spec.ranks(cfg),
+                                stages=tuple(s.name for s in active(cfg)))
     if replicas == 1:
         return configure_task(component(**params), spec, cfg).after(*upstream)
     with dsl.ParallelFor(items=list(range(replicas)), parallelism=replicas,

@@ -46,6 +46,16 @@ def non_negative(text: str) -> int:
     return _at_least(text, 0)
 
 
+def _stage_list(text: str) -> tuple[str, ...]:
+    """An argument naming stages, comma-separated."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in STAGE_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or 'no stage'}: name stages among {', '.join(STAGE_NAMES)}")
+    return names
+
+
 def _at_least(text: str, low: int) -> int:
     try:
         value = int(text)
@@ -107,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "it against the config's)")
     st.add_argument("--once", action="store_true",
                     help="do one synchronous round of work and exit (sync pipeline)")
+    st.add_argument("--stages", type=_stage_list, default=None,
+                    help="the stages a compiled pipeline runs, comma-separated: the stage "
+                         "refuses a config that needs other stages (their shards would never "
+                         "be written)")
     st.add_argument("--supervise", action="store_true",
                     help="run the stage as a child process and restart it when it crashes, "
                          "with backoff, up to pipeline.max_restarts (what a pipeline pod runs)")

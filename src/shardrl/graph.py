@@ -167,12 +167,14 @@ def upstream(name: str, cfg: RunConfig) -> str | None:
 
 def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
                worker: int = 0, workers: int = 1, once: bool = False, ranks: int = 1,
-               supervise: bool = False) -> list[str]:
+               supervise: bool = False, stages: tuple[str, ...] | None = None) -> list[str]:
     """The command line that runs one replica of a stage (same in a pod and locally).
 
     With `ranks > 1` the replica is `ranks` processes on one node, started by `torchrun`.
     `supervise` restarts the stage inside its container when it crashes (`--supervise`; a
     pipeline's looping tasks); not under `torchrun`, whose ranks fail and restart together.
+    `stages`: the stages a compiled pipeline has (`--stages`), which the stage checks against
+    the run's config.
     """
     stage(name)
     launcher = ["shardrl"]
@@ -187,4 +189,6 @@ def entrypoint(name: str, *, config: str, run_id: str, store: str | None = None,
         cmd.append("--supervise")
     if once:
         cmd.append("--once")
+    if stages is not None:
+        cmd += ["--stages", ",".join(stages)]
     return cmd

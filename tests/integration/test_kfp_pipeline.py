@@ -115,8 +115,11 @@ def test_every_stage_runs_its_graph_entrypoint_in_its_image(compiled):
                                   store=param("store"), worker=param("worker"),
                                   workers=spec.replicas(cfg),
                                   once=name == "shardrl-sync" and spec.loops,
-                                  supervise=spec.loops)
+                                  supervise=spec.loops, stages=tuple(STAGE_NAMES))
             assert list(t.container.command) == expected, (name, stage_name)
+            # every stage of this config, in the graph's order: a pasted config that needs
+            # others is refused by the stage (`stages.stages_refused`)
+            assert expected[-2:] == ["--stages", ",".join(STAGE_NAMES)]
             assert list(t.container.args) == []
             assert t.container.image == image_ref(STAGE_IMAGES[spec.image(cfg)], REGISTRY, build_tag())
             inputs = t.task.inputs.parameters
@@ -181,7 +184,8 @@ def test_hand_written_commands_and_images(compiled):
     # rollout: replica `worker` of 3 (from the loop item), base image (engine hf)
     assert list(tasks["rollout"].container.command) == [
         "shardrl", "stage", "rollout", "--config", param("config"), "--run-id", param("run_id"),
-        "--store", param("store"), "--worker", param("worker"), "--workers", "3", "--supervise"]
+        "--store", param("store"), "--worker", param("worker"), "--workers", "3", "--supervise",
+        "--stages", ",".join(STAGE_NAMES)]
     # images of this checkout's revision: VERSION-gREV
     tag = build_tag()
     assert tag.startswith(f"{__version__}-g") and tag != __version__
@@ -189,7 +193,7 @@ def test_hand_written_commands_and_images(compiled):
     # learn: DeepSpeed backend -> the DeepSpeed learner image
     assert tasks["learn"].container.image == f"{REGISTRY}/shardrl-learner-deepspeed:{tag}"
     sync = pipelines["shardrl-sync"][1]
-    assert list(sync["learn"].container.command)[-2:] == ["--supervise", "--once"]
+    assert list(sync["learn"].container.command)[-4:-2] == ["--supervise", "--once"]
     # looping tasks restart their stage inside the pod; one-shot ones are retried by KFP only
     assert "--once" not in list(sync["promote"].container.command)
     assert "--supervise" not in list(sync["promote"].container.command)

@@ -457,6 +457,40 @@ def test_a_replicated_stage_refuses_a_config_asking_for_other_replicas(tmp_path,
     assert replicas_refused(args, load_config("demo")) is None
 
 
+def test_a_pipeline_stage_refuses_a_config_that_needs_other_stages(tmp_path, capsys):
+    """A pipeline compiled from `demo` (rollout scores inline: no score or prepare task) run
+    with a pasted `scalerl` config: the learner would wait for ever for ready shards no task
+    writes. Every stage, and its supervisor, refuses it before touching the store."""
+    from shardrl.cli import main as cli_main
+    from shardrl.graph import active
+    from shardrl.stages import stages_refused
+
+    demo = ",".join(s.name for s in active(load_config("demo")))
+    assert demo == "snapshot,rollout,learn,evaluate,promote"
+    store = str(tmp_path / "store")
+    for supervise in ([], ["--supervise"]):
+        code = cli_main(["stage", "learn", *supervise, "--config", "scalerl", "--run-id", "x",
+                         "--store", store, "--stages", demo])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.startswith(
+            "shardrl stage learn: the pipeline was compiled with the stages snapshot, rollout, "
+            "learn, evaluate, promote, but the run's config needs score, prepare, which the "
+            "pipeline has no task for"), err
+    assert not (tmp_path / "store").exists()
+    args = build_parser().parse_args(["stage", "learn", "--config", "demo", "--run-id", "x",
+                                      "--stages", demo])
+    assert stages_refused(args, load_config("demo")) is None
+    assert "has no use for score, prepare" in stages_refused(
+        build_parser().parse_args(["stage", "learn", "--config", "demo", "--run-id", "x",
+                                   "--stages", demo.replace("rollout", "rollout,score,prepare")]),
+        load_config("demo"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["stage", "learn", "--config", "demo", "--run-id", "x",
+                                   "--stages", "snapshot,lern"])
+    assert "lern: name stages among" in capsys.readouterr().err
+
+
 def test_compiling_with_a_bad_config_or_tag_is_one_message(tmp_path, capsys):
     from pipelines.shardrl import main as compile_main
     from shardrl.cli import main as cli_main

@@ -32,7 +32,13 @@ import time
 from ..config import ConfigError
 from ..graph import entrypoint
 from ..lifetime import die_with_parent
-from ..stages import EXIT_CONFIG, EXIT_RUN_ABORTED, EXIT_STORE_UNAVAILABLE, replicas_refused
+from ..stages import (
+    EXIT_CONFIG,
+    EXIT_RUN_ABORTED,
+    EXIT_STORE_UNAVAILABLE,
+    replicas_refused,
+    stages_refused,
+)
 from ..stages.context import load_stage_config, release_cache, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
@@ -42,7 +48,8 @@ from .local import restart_delay
 def child_command(args) -> list[str]:
     """The stage's own command line (without `--supervise`), run by this interpreter."""
     argv = entrypoint(args.name, config=args.config, run_id=args.run_id, store=args.store,
-                      worker=args.worker, workers=args.workers, once=args.once)
+                      worker=args.worker, workers=args.workers, once=args.once,
+                      stages=getattr(args, "stages", None))
     for item in args.overrides:
         argv += ["--set", item]
     return [sys.executable, "-m", "shardrl.cli", *argv[1:]]
@@ -59,7 +66,7 @@ def run(args) -> int:
     except ConfigError as exc:  # the child would fail alike, at every restart
         print(f"shardrl stage {args.name}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if (refused := replicas_refused(args, cfg)) is not None:  # the same
+    if (refused := replicas_refused(args, cfg) or stages_refused(args, cfg)) is not None:
         print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
         return EXIT_CONFIG
     log = setup_logging(f"{args.name}-supervisor", args.worker)

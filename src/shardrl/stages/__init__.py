@@ -54,6 +54,29 @@ def replicas_refused(args, cfg) -> str | None:
             f"{args.workers}")
 
 
+def stages_refused(args, cfg) -> str | None:
+    """Why a stage of a pipeline compiled with `--stages` may not run with `cfg`, or None. A
+    config pasted into a Kubeflow run may need stages the pipeline has no task for (a
+    `scalerl` config in a pipeline compiled from `demo`, whose rollout scores inline, has no
+    score or prepare task): the learner would wait for ever for shards no task writes."""
+    from ..graph import active
+
+    compiled = getattr(args, "stages", None)
+    if compiled is None:
+        return None
+    wanted = tuple(s.name for s in active(cfg))
+    if tuple(compiled) == wanted:
+        return None
+    missing = [s for s in wanted if s not in compiled]
+    extra = [s for s in compiled if s not in wanted]
+    parts = ([f"needs {', '.join(missing)}, which the pipeline has no task for"] if missing
+             else []) + ([f"has no use for {', '.join(extra)}"] if extra else [])
+    return (f"the pipeline was compiled with the stages {', '.join(compiled)}, but the run's "
+            f"config {' and '.join(parts) or 'orders them otherwise'} (for example through "
+            "rollout.postprocess, a reward model or KL): compile the pipeline from this "
+            "config, or paste a config with the same stages")
+
+
 def run(args) -> int:
     threads = os.environ.get("SHARDRL_THREADS")
     from ..config import ConfigError
@@ -68,7 +91,7 @@ def run(args) -> int:
 
     from ..graph import stage
 
-    if (refused := replicas_refused(args, ctx.cfg)) is not None:
+    if (refused := replicas_refused(args, ctx.cfg) or stages_refused(args, ctx.cfg)) is not None:
         print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
         return EXIT_CONFIG
 
