@@ -54,7 +54,8 @@ _DESCRIPTIONS = {
 _PARAM_DOCS = {
     "config": "The run config: paste the YAML of a config (the default is the config the "
               "pipeline was compiled from), or give a preset name (demo, scalerl, ppo-rlhf) or "
-              "a path inside the image. Workers, resources and images are fixed at compile time.",
+              "a path inside the image. Workers, resources, images and the stages are fixed at "
+              "compile time: a config that needs other stages or workers is refused.",
     "store": "Object store URI; the run's shards and checkpoints go under "
              "{store}/runs/{run id}/. Credentials and endpoint come from the shardrl-s3 Secret.",
 }
