@@ -30,8 +30,15 @@ MLFLOW_SECRET = SecretEnv("shardrl-mlflow", ("MLFLOW_TRACKING_URI",))
 MLFLOW_AUTH = SecretEnv("shardrl-mlflow", ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
                         optional=True)
 """Basic-auth credentials of the tracking server, when it has auth enabled."""
-STAGE_SECRETS: tuple[SecretEnv, ...] = (S3_SECRET, MLFLOW_SECRET, MLFLOW_AUTH)
-"""What every stage task receives from Secrets; never from pipeline parameters."""
+STAGE_SECRETS: tuple[SecretEnv, ...] = (S3_SECRET,)
+"""What every task receives from Secrets; never from pipeline parameters."""
+TRACKING_SECRETS: tuple[SecretEnv, ...] = (MLFLOW_SECRET, MLFLOW_AUTH)
+"""What the tasks that talk to MLflow receive besides (`TRACKING_TASKS`): the other stages
+write their metrics to the store, and their pods, which may run untrusted reward code, hold
+no MLflow login."""
+TRACKING_TASKS: tuple[str, ...] = ("promote", "monitor", "report")
+"""The tasks that talk to MLflow: promote registers, monitor forwards the metrics, report
+attaches its figures."""
 
 BUCKET = "shardrl"
 """Bucket created by the bucket-init Job and used by the default store URI."""

@@ -32,7 +32,7 @@ from shardrl.config.infra import Resources
 from shardrl.config.loader import dump_yaml
 from shardrl.graph import StageSpec, active, after_loop, before_loop
 
-from .cluster import DEFAULT_STORE, STAGE_SECRETS
+from .cluster import DEFAULT_STORE, STAGE_SECRETS, TRACKING_SECRETS, TRACKING_TASKS
 
 PIPELINE_NAMES: tuple[str, ...] = ("shardrl", "shardrl-sync")
 RETRY_DELAY_S = 30
@@ -142,7 +142,7 @@ def _configure(task: dsl.PipelineTask, name: str, res: Resources,
                        backoff_max_duration=f"{retry_window_s(cfg)}s")
     # The pod's activeDeadlineSeconds: Kubernetes stops a stage that runs past its limit.
     kubernetes.set_timeout(task, cfg.pipeline.stage_timeout_s)
-    for secret in STAGE_SECRETS:
+    for secret in STAGE_SECRETS + (TRACKING_SECRETS if name in TRACKING_TASKS else ()):
         kubernetes.use_secret_as_env(task, secret_name=secret.name,
                                      secret_key_to_env={k: k for k in secret.keys},
                                      optional=secret.optional)

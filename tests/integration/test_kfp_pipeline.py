@@ -18,7 +18,7 @@ from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
 from components import STAGE_IMAGES, build_tag, image_ref
-from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS
+from pipelines.cluster import DEFAULT_STORE, STAGE_SECRETS, TRACKING_SECRETS
 from pipelines.shardrl import CACHE_DIR, compile_pipelines
 from shardrl import __version__
 from shardrl.commands import pipeline_cmd
@@ -203,6 +203,7 @@ def test_hand_written_commands_and_images(compiled):
 def test_resources_retries_timeout_caching_and_secrets(compiled):
     cfg, pipelines = compiled
     expected_secrets = [(s.name, {k: k for k in s.keys}, s.optional) for s in STAGE_SECRETS]
+    tracking = [(s.name, {k: k for k in s.keys}, s.optional) for s in TRACKING_SECRETS]
     assert expected_secrets[0] == ("shardrl-s3", {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
                                                   "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
                                                   "S3_ENDPOINT_URL": "S3_ENDPOINT_URL"}, False)
@@ -227,7 +228,10 @@ def test_resources_retries_timeout_caching_and_secrets(compiled):
             assert t.k8s.active_deadline_seconds == 7200
             secrets = [(s.secret_name, {k.secret_key: k.env_var for k in s.key_to_env},
                         s.optional) for s in t.k8s.secret_as_env]
-            assert secrets == expected_secrets
+            # the MLflow login only where MLflow is used: a scoring pod that runs untrusted
+            # code holds the store's keys, not the registry's
+            assert secrets == expected_secrets + (tracking if stage_name == "promote" else [])
+            assert ("MLFLOW_TRACKING_PASSWORD" in str(secrets)) == (stage_name == "promote")
     learn = pipelines["shardrl"][1]["learn"].container.resources
     assert (learn.resource_cpu_limit, learn.resource_memory_limit) == ("8", "32Gi")
     assert learn.accelerator.resource_count == "2"
@@ -298,7 +302,7 @@ def test_monitor_forwards_metrics_and_report_emits_kfp_artifacts(compiled, tmp_p
         assert {k: v.artifact_type.schema_title for k, v in outputs.items()} == {
             "metrics": "system.Metrics", "report": "system.HTML"}
         assert [s.secret_name for s in report.k8s.secret_as_env] == [
-            s.name for s in STAGE_SECRETS]
+            s.name for s in STAGE_SECRETS + TRACKING_SECRETS]
         assert report.task.inputs.parameters["run_id"].runtime_value.constant.string_value == \
             dsl.PIPELINE_JOB_ID_PLACEHOLDER
     _, tasks = load_compiled(paths["shardrl"], stages_only=False)
@@ -307,6 +311,8 @@ def test_monitor_forwards_metrics_and_report_emits_kfp_artifacts(compiled, tmp_p
     assert _deps(monitor) == {"snapshot"}
     assert list(monitor.container.command)[:4] == [
         "python", "-m", "shardrl.orchestrate.kfp_tasks", "monitor"]
+    assert [s.secret_name for s in monitor.k8s.secret_as_env] == [
+        s.name for s in STAGE_SECRETS + TRACKING_SECRETS]
 
 
 def _deps(t: StageTask) -> set[str]:
