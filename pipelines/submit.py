@@ -30,6 +30,10 @@ from shardrl.redact import has_userinfo, without_userinfo
 DEFAULT_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 FINAL_STATES = ("SUCCEEDED", "FAILED", "SKIPPED", "CANCELED")
 POLL_S = 10.0
+REQUEST_TIMEOUT_S = 60.0
+"""How long one request to the API may take (connecting, then each read): the SDK's own
+default is to wait for ever, so an API that accepts a connection and never answers held a
+`--wait` past its deadline."""
 """Seconds between polls of a run waited for."""
 
 
@@ -216,6 +220,22 @@ def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 
         time.sleep(poll_s)
 
 
+def bounded(client: Any, timeout_s: float) -> Any:
+    """`client` (a `kfp.Client`) with every request to the API bounded by `timeout_s`: its
+    services share one REST client, whose requests take the SDK's per-call
+    `_request_timeout`, which the Client's methods never pass. A request that times out
+    raises urllib3's timeout error, which `api_error` reads as no answer."""
+    rest = client._run_api.api_client.rest_client  # noqa: SLF001 - the SDK has no setting
+    request = rest.request
+    bound = (timeout_s, timeout_s)  # (connect, read): the SDK ignores a float given alone
+
+    def with_timeout(*args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return request(*args, _request_timeout=_request_timeout or bound, **kwargs)
+
+    rest.request = with_timeout
+    return client
+
+
 def submit(package: Path, *, host: str, pipeline: str, description: str, experiment: str,
            run_name: str, params: dict[str, Any], env: Mapping[str, str],
            service_account: str | None = None, wait_timeout_s: float | None = None,
@@ -236,8 +256,8 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
     def connect():
         with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later"
             warnings.simplefilter("ignore", FutureWarning)
-            return kfp.Client(host=host, existing_token=kfp_token(env),
-                              namespace=namespace or "kubeflow")
+            return bounded(kfp.Client(host=host, existing_token=kfp_token(env),
+                                      namespace=namespace or "kubeflow"), REQUEST_TIMEOUT_S)
 
     check_api(host, kfp_token(env))
     doing = "uploading the pipeline"

@@ -404,6 +404,38 @@ def test_waiting_survives_failed_polls_and_a_rotated_token(kfp_api, tmp_path, mo
     assert last.headers["authorization"] == "Bearer second"
 
 
+def test_a_poll_the_api_never_answers_times_out_and_is_tried_again(kfp_api, monkeypatch,
+                                                                    capsys):
+    """An API that takes a request and never answers held the SDK's call for ever (it sets no
+    timeout), and `--wait` with it. Each request is bounded now: the stalled poll gives up
+    and is asked again (by the HTTP client's own retry, or as a failed poll), and the next
+    answer finds the run finished."""
+    import time
+
+    import pipelines.submit as submit_module
+
+    host, state = kfp_api
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setattr(submit_module, "POLL_S", 0.01)
+    monkeypatch.setattr(submit_module, "REQUEST_TIMEOUT_S", 0.5)
+    answer, polls = state.answer, []
+
+    def stall_once(req):
+        if (req.method, req.path) == ("GET", f"{API}/runs/run-1"):
+            polls.append(time.monotonic())
+            if len(polls) == 1:
+                time.sleep(3.0)  # past the bound: the client gives up on it first
+        return answer(req)
+
+    monkeypatch.setattr(state, "answer", stall_once)
+    started = time.monotonic()
+    assert cli_main(["pipeline", "run", "demo", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert "finished: SUCCEEDED" in out, out
+    assert len(polls) >= 2 and polls[1] - polls[0] < 2.5  # asked again before the stall ended
+    assert time.monotonic() - started < 30
+
+
 def test_a_run_whose_creation_got_no_answer_is_found_by_name(kfp_api, monkeypatch, capsys):
     """The API created the run and the connection closed before its answer: the submission
     finds that run by its name instead of failing (which a CI retry would answer with a
