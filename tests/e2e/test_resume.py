@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardrl.config import load_config
-from shardrl.orchestrate.local import LocalRun, prepare_run, started_key
+from shardrl.orchestrate.local import LocalRun, finished, prepare_run, started_key
 from shardrl.orchestrate.monitor import Monitor
 from shardrl.stages.context import MetricsSink
 from shardrl.store import LocalStore, RunKeys, open_store
@@ -119,6 +119,31 @@ def test_resume_refuses_settings_it_would_ignore(tmp_path):
     res = run_cli(["run", "demo", "--resume", "r1", "--store", str(tmp_path / "store")],
                   tmp_path, timeout=60)
     assert "--resume r1: the run keeps the config it started with; demo is not used" in res.stderr
+
+
+def test_a_finished_run_is_not_resumed(tmp_path):
+    """Resuming a finished run started every stage to find nothing to do, and rewrote the
+    run's summary (peak memory, CPU share) with those seconds' figures."""
+    store = LocalStore(tmp_path / "store")
+    keys = RunKeys("done")
+    store.put_json(keys.run_json(), {"config": {}})
+    store.put_json(keys.done(), {"steps": 6})
+    # the learner done but nothing promoted yet: a resume goes on (to evaluate and promote)
+    assert not finished(store, keys)
+    store.put_json(keys.state("promote", "result.json"), {"version": 6})
+    assert finished(store, keys)
+    before = sorted(store.list(""))
+    res = run_cli(["run", "--resume", "done", "--store", str(tmp_path / "store")], tmp_path,
+                  timeout=60)
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "--resume done: the run has finished (the learner is done and promote has chosen its "
+        "version): nothing to resume. `shardrl report done` shows it again; `shardrl replay` "
+        "trains a copy under changed settings"), res.stderr[-2000:]
+    assert sorted(store.list("")) == before
+    config = write_config(tmp_path)
+    res = run_cli(run_args(config, str(tmp_path / "store"), "done"), tmp_path, timeout=120)
+    assert res.returncode == 1 and "already exists in" in res.stderr
+    assert "has finished (`shardrl report done` shows it); pick another --run-id" in res.stderr
 
 
 def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):

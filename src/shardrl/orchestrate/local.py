@@ -201,6 +201,12 @@ class LocalRun:
                     p.popen.wait(timeout=5)  # as running, and its model cache would stay
 
 
+def finished(store: Store, keys: RunKeys) -> bool:
+    """Whether the run has nothing left to do: the learner is done and promote has chosen
+    its version."""
+    return store.exists(keys.done()) and store.exists(keys.state("promote", "result.json"))
+
+
 def prepare_run(args) -> LocalRun:
     for run_id in (args.resume, args.run_id):
         if run_id is not None:
@@ -236,6 +242,13 @@ def prepare_run(args) -> LocalRun:
                     f"{saved if saved.exists() else 'CONFIG'} --run-id {run_id}"
                     + (f" --store {args.store}" if args.store else "") + "`")
             raise SystemExit(f"--resume {run_id}: no run.json under {store_uri}/{keys.root}")
+        if finished(store, keys):
+            # its stages would start, find everything done and end, and the run's summary
+            # (peak memory, CPU) would be rewritten with those seconds' figures
+            raise SystemExit(
+                f"--resume {run_id}: the run has finished (the learner is done and promote has "
+                f"chosen its version): nothing to resume. `shardrl report {run_id}` shows it "
+                "again; `shardrl replay` trains a copy under changed settings")
         cfg = RunConfig.model_validate(recorded_config(store, keys.run_json()))
         store = open_store(store_uri, retry_policy(cfg))
     else:
@@ -251,6 +264,10 @@ def prepare_run(args) -> LocalRun:
                 print(f"created bucket {store.bucket!r} at {store.endpoint}", flush=True)
         keys = RunKeys(run_id)
         if store.exists(keys.run_json()):  # starting it again would mix two configs in one run
+            if finished(store, keys):
+                raise SystemExit(f"shardrl run: run {run_id} already exists in {store_uri} and "
+                                 f"has finished (`shardrl report {run_id}` shows it); pick "
+                                 "another --run-id")
             raise SystemExit(
                 f"shardrl run: run {run_id} already exists in {store_uri}; continue it with "
                 f"`shardrl run --resume {run_id}"
