@@ -6,6 +6,8 @@ import argparse
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +164,28 @@ def test_a_new_run_refuses_an_id_the_store_already_holds(tmp_path):
     res = run_cli(run_args(config, str(tmp_path / "store"), "no/such"), tmp_path, timeout=120)
     assert res.returncode == 1 and "run_id must match" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_an_mlflow_that_does_not_answer_is_said_within_seconds(tmp_path, tiny_config):
+    """Nothing listens at the tracking address: MLflow's own retries took about four minutes
+    before the run's one line; its first contact is brief now, and the run id stays free."""
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "shardrl.cli", *run_args(tiny_config, str(tmp_path / "store"),
+                                                         "down")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+                 MLFLOW_TRACKING_URI=f"http://alice:pw0rd@127.0.0.1:{port}/"))
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    assert res.stderr.startswith(f"shardrl run: MLflow at http://***@127.0.0.1:{port}/ failed")
+    assert "pw0rd" not in res.stdout + res.stderr and "Traceback" not in res.stderr
+    assert not LocalStore(tmp_path / "store").exists(started_key(RunKeys("down")))
 
 
 def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny_config):

@@ -75,7 +75,10 @@ class Monitor:
         """(version, summary) of the newest evaluation seen."""
         self.mlflow = None
         if lr.cfg.tracking.enabled:
-            self.client, self.mlflow = open_run(lr.cfg, lr.run_id, new=lr.new)
+            # the run's first contact with MLflow: one that does not answer is said within
+            # seconds (MLflow's own retries took about four minutes), before any stage starts
+            with brief_requests():
+                self.client, self.mlflow = open_run(lr.cfg, lr.run_id, new=lr.new)
 
     def say(self, text: str) -> None:
         (self.bar.write if self.bar else print)(text)
