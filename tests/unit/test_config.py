@@ -55,8 +55,16 @@ def test_typo_gets_a_suggestion_with_its_path():
 
 
 def test_typo_inside_a_union_variant():
+    """The path is the key as typed: pydantic's location holds the variant's name too
+    (`algo.loss.cispo.max_rato`), which is no key a user can set."""
     (err,) = _errors({"algo": {"loss": {"kind": "cispo", "max_rato": 3.0}}})
-    assert "max_rato" in err.path and "did you mean 'max_ratio'" in err.message
+    assert err.path == "algo.loss.max_rato" and "did you mean 'max_ratio'" in err.message
+    (err,) = _errors({"algo": {"kl": {"controller": {"kind": "adaptive", "beta": 0.1}}}})
+    assert err.path == "algo.kl.controller.beta" and "did you mean 'init_beta'" in err.message
+    with pytest.raises(ConfigError) as info:  # merged into the preset's ppo section
+        load_config("demo", ["algo.loss.knd=gspo"])
+    (err,) = info.value.errors
+    assert err.path == "algo.loss.knd" and "did you mean 'kind'" in err.message
 
 
 def test_a_text_setting_takes_its_value_as_text():

@@ -276,9 +276,33 @@ def _described(err: dict[str, Any]) -> list[FieldError]:
     return [_describe(err)]
 
 
+def _typed_path(loc: tuple[str, ...]) -> str:
+    """`loc` as the dotted key a user types: without the variant names pydantic puts in the
+    location of a union's field (`algo.loss.ppo.clip_low` is typed `algo.loss.clip_low`)."""
+    current: Any = RunConfig
+    typed: list[str] = []
+    for part in loc:
+        candidates = _models_in(current)
+        if part.isdigit() or not candidates:
+            typed.append(part)
+            continue
+        field = next((c.model_fields[part] for c in candidates if part in c.model_fields), None)
+        if field is not None:
+            typed.append(part)
+            current = field.annotation
+            continue
+        variant = next((c for c in candidates if _tag(c) == part), None)
+        if variant is None or len(candidates) < 2:
+            typed.append(part)
+            current = None
+            continue
+        current = variant  # a variant's name: not a key
+    return ".".join(typed)
+
+
 def _describe(err: dict[str, Any]) -> FieldError:
     loc = tuple(str(p) for p in err["loc"])
-    path = ".".join(loc)
+    path = _typed_path(loc)
     if err["type"] == "extra_forbidden":
         known = _fields_at(RunConfig, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
