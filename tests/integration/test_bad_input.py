@@ -374,6 +374,32 @@ def test_a_run_whose_held_out_prompts_do_not_fit_stops_in_the_snapshot(tmp_path)
     assert not store.exists(keys.run_json()) and store.list(keys.root + "rollouts/") == []
 
 
+def test_a_stage_on_a_run_with_no_snapshot_says_what_it_waits_for(tmp_path):
+    """`shardrl stage learn --run-id <a typo>` waited for policy v0 in silence."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardrl.cli", "stage", "learn", "--config", "demo", "--run-id",
+         "ghost", "--store", str(tmp_path / "store")], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, SHARDRL_CACHE=str(tmp_path / "cache")))
+    import threading
+
+    timer = threading.Timer(60, proc.kill)  # a stage that says nothing is killed, and fails
+    timer.start()
+    try:
+        line = proc.stdout.readline()  # the stage's first log line, before any wait
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait(timeout=30)
+    assert line.rstrip().endswith("learn INFO waiting for the run's snapshot to publish policy "
+                                  f"v0 (runs/ghost/policy/v000000/ in {LocalStore(tmp_path / 'store').uri})"
+                                  ), line
+
+
 def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')

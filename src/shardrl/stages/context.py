@@ -228,6 +228,10 @@ class StageContext:
 
         base = BasePolicy(self.store, self.keys, self.cache_dir())
         if not base.ready():
+            # said once: a stage started on a run id with no snapshot coming would wait in
+            # silence (`shardrl stage` with a mistyped --run-id)
+            self.log.info("waiting for the run's snapshot to publish policy v0 (%s in %s)",
+                          self.keys.policy_prefix(0), self.store.uri)
             watch = self.store.watch(self.keys.root, depth=2)  # root, policy/, policy/v000000/
             try:
                 while not base.ready():
