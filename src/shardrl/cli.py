@@ -164,12 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("doctor", help="diagnose a run from its metrics")
     doc.add_argument("run", help="run id (in the store) or MLflow run id")
-    doc.add_argument("--store", type=store_uri, help="store URI (default: store.uri of the run's config)")
+    doc.add_argument("--store", type=store_uri, help="store URI (default: runs)")
     doc.add_argument("--json", action="store_true", help="machine-readable output")
 
     rep = sub.add_parser("report", help="plots, findings and the scaling-curve fit of a run")
     rep.add_argument("run", help="run id")
-    rep.add_argument("--store", type=store_uri, help="store URI")
+    rep.add_argument("--store", type=store_uri, help="store URI (default: runs)")
     rep.add_argument("--out", help="output folder (default: the run's report/ folder)")
     rep.add_argument("--fit", action="store_true", help="print the compute->performance fit only")
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     smp = sub.add_parser("samples", help="audit generated samples of a run")
     smp.add_argument("run", help="run id")
-    smp.add_argument("--store", type=store_uri, help="store URI")
+    smp.add_argument("--store", type=store_uri, help="store URI (default: runs)")
     smp.add_argument("--version", type=non_negative,
                      help="policy version (default: latest with data)")
     order = smp.add_mutually_exclusive_group()
