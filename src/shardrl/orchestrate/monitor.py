@@ -183,7 +183,8 @@ class Monitor:
                   f"({first['prompts']} prompts, T={first['temperature']}"
                   f"{'; ± a standard error' if 'pass_at_1_se' in last else ''})")
         print(f"samples           {acc.line()}")
-        print(f"staleness         {done.staleness} (version lag: admitted samples)")
+        print(f"staleness         {done.staleness} (version lag: samples admitted within "
+              "the bound, those filtered after included)")
         # the chosen version's figure, confirmed on fresh samples when it was the best of
         # several (its own evaluation's, the selection, in brackets)
         se = "" if promo.get("value_se") is None else f" ± {promo['value_se']:.3f}"

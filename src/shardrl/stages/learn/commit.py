@@ -38,7 +38,8 @@ class Ledger:
         return set(self.names.get(version, ()))
 
     def lags(self, version: int, table: pa.Table) -> None:
-        """Count the admitted samples of a step at learner `version` by their lag."""
+        """Count the samples a step at learner `version` admitted within the staleness
+        bound by their lag: the ones filtered after admission (zero variance) included."""
         for entry in pc.value_counts(table.column("policy_version")).to_pylist():
             self.staleness[version - entry["values"]] += entry["counts"]
 
