@@ -17,6 +17,7 @@ Run as a script to compile: `python -m pipelines.shardrl [CONFIG] --out-dir buil
 
 # No `from __future__ import annotations`: KFP reads the parameters' types from annotations.
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -260,7 +261,10 @@ def compile_pipelines(cfg: RunConfig, out_dir: str | Path, *, registry: str | No
         compiler.Compiler().compile(func, str(paths[name]))
         _comment_out_default(paths[name], config_default or config_text(cfg))
         if kubernetes_manifest_format:
-            version = f"{name}-v{tag.replace('.', '-')}".lower()
+            # the package's content in the name too, as `pipeline run` names its versions:
+            # two configs compiled at one tag are two versions, not one applied over the other
+            digest = hashlib.sha256(paths[name].read_bytes()).hexdigest()[:12]
+            version = f"{name}-v{tag.replace('.', '-')}-{digest}".lower()
             options = KubernetesManifestOptions(pipeline_version_name=version,
                                                 include_pipeline_manifest=True)
             compiler.Compiler().compile(func, str(out / f"{name}.k8s.yaml"),

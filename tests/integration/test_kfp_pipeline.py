@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -400,7 +401,9 @@ def test_cli_compiles_demo_with_kubernetes_manifests(tmp_path):
     assert "score" not in tasks and "prepare" not in tasks
     pipeline, version = yaml.safe_load_all((tmp_path / "shardrl.k8s.yaml").read_text())
     assert (pipeline["kind"], version["kind"]) == ("Pipeline", "PipelineVersion")
-    assert version["metadata"]["name"] == "shardrl-v1-2-3"
+    # the tag and the IR's content: another config compiled at this tag is another version
+    digest = hashlib.sha256((tmp_path / "shardrl.yaml").read_bytes()).hexdigest()[:12]
+    assert version["metadata"]["name"] == f"shardrl-v1-2-3-{digest}"
     assert strict(version["spec"]["pipelineSpec"], pb.PipelineSpec()) == spec
     strict(version["spec"]["platformSpec"], pb.PlatformSpec())
 
