@@ -398,6 +398,9 @@ def test_a_short_run_says_which_rules_it_could_not_judge_yet():
     text = Diagnosis("r", "store", short, diagnose(short, no_kl), no_kl).text()
     assert "not judged yet: C (3 step(s) of learn/grad_norm; it judges from 6)" in text
     assert "not assessed: A (no KL to a reference in this run: algo.kl.placement is none)" in text
+    # B lacks kl_mean: not assessed, and so not also "not judged yet" for its reward's length
+    assert "not assessed: B" in text and "not judged yet: B" not in text
+    assert "not judged yet: D (3 step(s)" in text
 
 
 def test_drift_between_the_sampler_and_the_learner():
