@@ -15,11 +15,12 @@ follows the run its first try started instead of starting a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,12 @@ from shardrl.redact import has_userinfo, without_userinfo
 DEFAULT_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 FINAL_STATES = ("SUCCEEDED", "FAILED", "SKIPPED", "CANCELED")
 POLL_S = 10.0
-REQUEST_TIMEOUT_S = 60.0
-"""How long one request to the API may take (connecting, then each read): the SDK's own
-default is to wait for ever, so an API that accepts a connection and never answers held a
-`--wait` past its deadline."""
 """Seconds between polls of a run waited for."""
+REQUEST_TIMEOUT_S = 30.0
+"""How long one request to the API may take to connect, and then to read: the SDK's own
+default is to wait for ever, so an API that accepts a connection and never answers held a
+`--wait` past its deadline. Its HTTP client tries a request that timed out up to 3 times
+more, so one call gives up after about 4 x this."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,12 @@ def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 
                 f"({failures}/{max_failures})")
             state = ""
             if reconnect is not None:
-                client = reconnect()
+                try:
+                    client = reconnect()
+                except Exception as again:  # noqa: BLE001 - the API still not answering:
+                    if api_error(again, host, "reconnecting") is None:  # the next poll
+                        raise  # counts it, on the client it has
+
         if state in FINAL_STATES:
             return state
         if time.monotonic() > deadline:
@@ -220,26 +227,37 @@ def wait_for_run(client: Any, run_id: str, *, timeout_s: float, poll_s: float = 
         time.sleep(poll_s)
 
 
-def bounded(client: Any, timeout_s: float) -> Any:
-    """`client` (a `kfp.Client`) with every request to the API bounded by `timeout_s`: its
-    services share one REST client, whose requests take the SDK's per-call
-    `_request_timeout`, which the Client's methods never pass. A request that times out
-    raises urllib3's timeout error, which `api_error` reads as no answer."""
-    rest = client._run_api.api_client.rest_client  # noqa: SLF001 - the SDK has no setting
-    request = rest.request
+@contextlib.contextmanager
+def bounded_requests(timeout_s: float) -> Iterator[None]:
+    """Inside, every request of the KFP SDK's REST client is bounded by `timeout_s` (to
+    connect, then to read): the SDK's per-call `_request_timeout`, which `kfp.Client`'s
+    methods never pass, and which its constructor's own health check needs too. A request
+    that times out raises urllib3's timeout error, which `api_error` reads as no answer."""
+    from kfp_server_api import rest
+
+    request = rest.RESTClientObject.request
     bound = (timeout_s, timeout_s)  # (connect, read): the SDK ignores a float given alone
 
-    def with_timeout(*args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
-        return request(*args, _request_timeout=_request_timeout or bound, **kwargs)
+    def with_timeout(self: Any, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return request(self, *args, _request_timeout=_request_timeout or bound, **kwargs)
 
-    rest.request = with_timeout
-    return client
+    rest.RESTClientObject.request = with_timeout
+    try:
+        yield
+    finally:
+        rest.RESTClientObject.request = request
 
 
-def submit(package: Path, *, host: str, pipeline: str, description: str, experiment: str,
-           run_name: str, params: dict[str, Any], env: Mapping[str, str],
-           service_account: str | None = None, wait_timeout_s: float | None = None,
-           reuse_named: bool = False) -> SubmitResult:
+def submit(package: Path, **kwargs: Any) -> SubmitResult:
+    """`_submit`, with every request to the API bounded (`REQUEST_TIMEOUT_S`)."""
+    with bounded_requests(REQUEST_TIMEOUT_S):
+        return _submit(package, **kwargs)
+
+
+def _submit(package: Path, *, host: str, pipeline: str, description: str, experiment: str,
+            run_name: str, params: dict[str, Any], env: Mapping[str, str],
+            service_account: str | None = None, wait_timeout_s: float | None = None,
+            reuse_named: bool = False) -> SubmitResult:
     """Upload `package` (or reuse it), create a run in `experiment`, and wait if asked.
 
     With `reuse_named`, a run named `run_name` in `experiment` is taken as this submission's
@@ -256,8 +274,8 @@ def submit(package: Path, *, host: str, pipeline: str, description: str, experim
     def connect():
         with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later"
             warnings.simplefilter("ignore", FutureWarning)
-            return bounded(kfp.Client(host=host, existing_token=kfp_token(env),
-                                      namespace=namespace or "kubeflow"), REQUEST_TIMEOUT_S)
+            return kfp.Client(host=host, existing_token=kfp_token(env),
+                              namespace=namespace or "kubeflow")
 
     check_api(host, kfp_token(env))
     doing = "uploading the pipeline"

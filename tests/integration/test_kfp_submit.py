@@ -435,6 +435,29 @@ def test_a_poll_the_api_never_answers_times_out_and_is_tried_again(kfp_api, monk
     assert len(polls) >= 2 and polls[1] - polls[0] < 2.5  # asked again before the stall ended
     assert time.monotonic() - started < 30
 
+    # a poll that never gets an answer, tries included, then a new client whose own health
+    # check gets none either: the wait goes on, on the client it had
+    state.requests.clear()
+    polls.clear()
+    stalled_health = []
+
+    def stall_more(req):
+        if (req.method, req.path) == ("GET", f"{API}/runs/run-2"):
+            polls.append(time.monotonic())
+            if len(polls) <= 4:  # the first poll and its 3 retries
+                time.sleep(2.0)
+        elif req.path.endswith("/healthz") and polls and not stalled_health:
+            stalled_health.append(req)
+            time.sleep(30.0)  # unbounded, the new client would wait this out
+        return answer(req)
+
+    monkeypatch.setattr(state, "answer", stall_more)
+    started = time.monotonic()
+    assert cli_main(["pipeline", "run", "demo", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert "run run-2 finished: SUCCEEDED" in out and "polling run run-2 failed" in out, out
+    assert stalled_health and time.monotonic() - started < 25
+
 
 def test_a_run_whose_creation_got_no_answer_is_found_by_name(kfp_api, monkeypatch, capsys):
     """The API created the run and the connection closed before its answer: the submission
