@@ -429,8 +429,9 @@ def test_the_clip_remedy_suits_the_loss_it_is_for():
 # -- found in review: a saturated reward, noisy evaluations, a negative k1 KL, remedy keys --
 def test_a_small_dip_after_a_saturated_reward_is_no_collapse():
     """Every batch all correct (std 0) for 10 steps, then 1 sample in 40 wrong (mean 0.975,
-    std 0.15): measured against the std before alone, any lasting dip counted. The std after
-    the dip (0.15) says a change of 0.025 is a sixth of one: no E. A fall to 0.5 still is."""
+    std 0.15): measured against the std before alone, any lasting dip counted. Half the std
+    after the dip (0.075) is the least change that counts now: no E. A fall to 0.5 still is,
+    and so is one of a 0/1 reward from 0.9 (std 0.3) to 0.55 (std 0.5)."""
     s = base()
     s["score/reward_rm_mean"] = np.r_[np.full(10, 1.0), [0.97, 0.98] * 5]
     s["score/reward_rm_std"] = np.r_[np.zeros(10), np.full(10, 0.15)]
@@ -441,7 +442,12 @@ def test_a_small_dip_after_a_saturated_reward_is_no_collapse():
     s["score/pass_rate"] = s["score/reward_rm_mean"]
     (f,) = diagnose(metrics(s), CFG)
     assert f.code == "E" and f.evidence[0].metric == "score/reward_rm_mean"
-    assert f.evidence[0].note == "mean 1 over steps 0-4, 0.704 over steps 8-12"
+    assert f.evidence[0].note == "level shift at step 10: mean 1 -> 0.508"
+    s["score/reward_rm_mean"] = np.r_[np.full(10, 0.9), [0.55, 0.56] * 5]
+    s["score/reward_rm_std"] = np.r_[np.full(10, 0.3), np.full(10, 0.497)]
+    s["score/pass_rate"] = s["score/reward_rm_mean"]
+    (f,) = diagnose(metrics(s), CFG)
+    assert f.code == "E" and f.evidence[0].note == "level shift at step 10: mean 0.9 -> 0.554"
 
 
 def test_a_held_out_fall_within_the_evaluations_noise_is_no_reward_hacking():

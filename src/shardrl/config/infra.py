@@ -305,7 +305,7 @@ class DoctorConfig(Section):
     """A KL or length level shift must move the mean by this fraction of its level (collapse)."""
     reward_drop: float = Field(1.0, gt=0.0, le=100.0)
     """A sudden reward drop must lower the mean by this many reward stds (collapse): the
-    larger of the within-batch stds before and after the drop."""
+    within-batch std before the drop, or half the one after it if that is larger."""
     noise_z: float = Field(2.0, ge=0.0, le=100.0)
     """A change between two windows counts only beyond this many standard errors of their means."""
     fit_min_points: int = Field(6, ge=3, le=10000)

@@ -303,10 +303,11 @@ def decline(values: np.ndarray, w: int, min_drop: float, noise_z: float
 
 def _min_change(m: Metrics, s: Series, d: DoctorConfig, unit: str) -> Callable[[int], float]:
     """The smallest level change of `s` that counts at index i: shift_min of its level over
-    the w points before ('level'), or reward_drop times the reward std ('reward'): the larger
-    of its means over the w points before and the w from i. A solved task's batches have
-    std 0 before a dip; measured against that alone, any lasting dip of a few samples
-    counted as a collapse."""
+    the w points before ('level'), or reward_drop times the reward std ('reward'): its mean
+    over the w points before, but no less than half its mean over the w from i. A solved
+    task's batches have std 0 before a dip; measured against that alone, any lasting dip of
+    a few samples counted as a collapse. (The larger of the two in full let a fall from 0.9
+    to 0.55 of a 0/1 reward pass: its std rises toward 0.5 as the mean does.)"""
     w = d.window
     if unit == "level":
         return lambda i: d.shift_min * abs(float(np.mean(s.values[i - w:i])))
@@ -317,8 +318,10 @@ def _min_change(m: Metrics, s: Series, d: DoctorConfig, unit: str) -> Callable[[
         return float(np.mean(near)) if len(near) else None
 
     def reward(i: int) -> float:
-        sides = [v for v in (spread(s.steps[i - w:i]), spread(s.steps[i:i + w])) if v is not None]
-        return d.reward_drop * (max(sides) if sides else reward_scale(m))
+        before, after = spread(s.steps[i - w:i]), spread(s.steps[i:i + w])
+        if before is None and after is None:
+            return d.reward_drop * reward_scale(m)
+        return d.reward_drop * max(before or 0.0, 0.5 * (after or 0.0))
 
     return reward
 
