@@ -133,14 +133,19 @@ def test_a_finished_run_is_not_resumed(tmp_path):
     # the learner done but nothing promoted yet: a resume goes on (to evaluate and promote)
     assert not finished(store, keys)
     store.put_json(keys.state("promote", "result.json"), {"version": 6})
+    assert not finished(store, keys)  # the runner stopped before the run's summary
+    summary = keys.state("runner", "summary.json")
+    store.put_json(summary, {"mlflow_complete": False})
+    assert not finished(store, keys)  # MLflow lacks metrics: a resume sends them
+    store.put_json(summary, {"mlflow_complete": True})
     assert finished(store, keys)
     before = sorted(store.list(""))
     res = run_cli(["run", "--resume", "done", "--store", str(tmp_path / "store")], tmp_path,
                   timeout=60)
     assert res.returncode == 1 and res.stderr.strip() == (
-        "--resume done: the run has finished (the learner is done and promote has chosen its "
-        "version): nothing to resume. `shardrl report done` shows it again; `shardrl replay` "
-        "trains a copy under changed settings"), res.stderr[-2000:]
+        "--resume done: the run has finished (the learner is done, promote has chosen its "
+        "version and MLflow has its metrics): nothing to resume. `shardrl report done` shows "
+        "it again; `shardrl replay` trains a copy under changed settings"), res.stderr[-2000:]
     assert sorted(store.list("")) == before
     config = write_config(tmp_path)
     res = run_cli(run_args(config, str(tmp_path / "store"), "done"), tmp_path, timeout=120)

@@ -43,15 +43,13 @@ class Diagnosis:
         body = ([f"{len(self.findings)} finding(s):"] + [format_finding(f) for f in self.findings]
                 if self.findings else ["no findings"])
         kl_off = self.cfg.algo.kl.placement == "none"
-        missing = unassessed(self.metrics)
         skipped = [f"not assessed: {code} (" + (
             "no KL to a reference in this run: algo.kl.placement is none" if kl_off and
             code in ("A", "B") else f"no {', '.join(names)}") + ")"
-                   for code, names in missing.items()]
-        # a rule that cannot look at the run at all is not also "not judged yet"
+                   for code, names in unassessed(self.metrics).items()]
         short = [f"not judged yet: {code} ({why})"
                  for code, why in too_short(self.metrics, self.cfg).items()
-                 if code not in missing and not any(f.code == code for f in self.findings)]
+                 if not any(f.code == code for f in self.findings)]
         return "\n".join([head, *body, *skipped, *short])
 
 

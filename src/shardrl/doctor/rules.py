@@ -454,8 +454,10 @@ def diagnose(m: Metrics, cfg: RunConfig) -> list[Finding]:
 
 def too_short(m: Metrics, cfg: RunConfig) -> dict[str, str]:
     """Rules whose metrics exist but hold fewer points than the rule judges: code -> why. A
-    short run's "no findings" is then not read as a clean bill of health."""
+    short run's "no findings" is then not read as a clean bill of health. A rule that lacks
+    a metric altogether is `unassessed`, not also here."""
     d = cfg.doctor
+    missing = unassessed(m)
     w, trend = d.window, max(d.min_steps, 2 * d.window)
     need = {"A": (KL_MEAN, w + 1), "B": (REWARD, trend), "C": ("learn/grad_norm", w + 1),
             "D": (REWARD, trend), "E": (REWARD, 2 * w), "filtering": ("prepare/filter_rate", w),
@@ -463,7 +465,7 @@ def too_short(m: Metrics, cfg: RunConfig) -> dict[str, str]:
     out = {}
     for code, (name, points) in need.items():
         s = _finite(m, name)
-        if s is not None and len(s) < points:
+        if s is not None and len(s) < points and code not in missing:
             out[code] = f"{len(s)} step(s) of {name}; it judges from {points}"
     return out
 

@@ -202,9 +202,13 @@ class LocalRun:
 
 
 def finished(store: Store, keys: RunKeys) -> bool:
-    """Whether the run has nothing left to do: the learner is done and promote has chosen
-    its version."""
-    return store.exists(keys.done()) and store.exists(keys.state("promote", "result.json"))
+    """Whether the run has nothing left to do: the learner is done, promote has chosen its
+    version and the runner wrote the run's summary with every metric in MLflow (a resume
+    sends MLflow what it lacks)."""
+    summary = keys.state("runner", "summary.json")
+    return (store.exists(keys.done()) and store.exists(keys.state("promote", "result.json"))
+            and store.exists(summary)
+            and store.get_json(summary).get("mlflow_complete") is not False)
 
 
 def prepare_run(args) -> LocalRun:
@@ -246,9 +250,10 @@ def prepare_run(args) -> LocalRun:
             # its stages would start, find everything done and end, and the run's summary
             # (peak memory, CPU) would be rewritten with those seconds' figures
             raise SystemExit(
-                f"--resume {run_id}: the run has finished (the learner is done and promote has "
-                f"chosen its version): nothing to resume. `shardrl report {run_id}` shows it "
-                "again; `shardrl replay` trains a copy under changed settings")
+                f"--resume {run_id}: the run has finished (the learner is done, promote has "
+                f"chosen its version and MLflow has its metrics): nothing to resume. `shardrl "
+                f"report {run_id}` shows it again; `shardrl replay` trains a copy under "
+                "changed settings")
         cfg = RunConfig.model_validate(recorded_config(store, keys.run_json()))
         store = open_store(store_uri, retry_policy(cfg))
     else:
@@ -493,7 +498,7 @@ def _run(args, interrupted: Callable[[], bool]) -> int:
         lr = prepare_run(args)
         try:
             find_user_code(lr.cfg)
-            monitor = Monitor(lr, progress_bar=not args.no_progress)
+            monitor = Monitor(lr, progress_bar=not args.no_progress, brief_start=True)
         except (RunIdTaken, TrackingUnavailable, UserCodeMissing):  # this run never
             if lr.new:  # started: leave no mark
                 lr.store.delete(started_key(lr.keys))

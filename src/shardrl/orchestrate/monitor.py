@@ -52,7 +52,10 @@ def brief_requests() -> Iterator[None]:
 
 
 class Monitor:
-    def __init__(self, lr, progress_bar: bool = True) -> None:
+    def __init__(self, lr, progress_bar: bool = True, brief_start: bool = False) -> None:
+        """`brief_start`: the first contact with MLflow makes one short try (the local
+        runner, which says in seconds that MLflow does not answer, before any stage starts);
+        a Kubeflow task keeps MLflow's patient retries, as its pod is retried anyway."""
         self.lr = lr
         self.total = lr.cfg.learner.total_steps
         self.bar = None
@@ -77,7 +80,7 @@ class Monitor:
         if lr.cfg.tracking.enabled:
             # the run's first contact with MLflow: one that does not answer is said within
             # seconds (MLflow's own retries took about four minutes), before any stage starts
-            with brief_requests():
+            with brief_requests() if brief_start else contextlib.nullcontext():
                 self.client, self.mlflow = open_run(lr.cfg, lr.run_id, new=lr.new)
 
     def say(self, text: str) -> None:
@@ -220,7 +223,9 @@ class Monitor:
             self.client.set_terminated(self.mlflow)
         store.put_json(keys.state("runner", "summary.json"), {
             "accounting": acc.as_dict(), "evals": {str(k): v for k, v in evals.items()},
-            "promote": promo, "done": done.model_dump(mode="json")})
+            "promote": promo, "done": done.model_dump(mode="json"),
+            # False: MLflow lacks some metrics, which a resume of the run sends
+            "mlflow_complete": None if self.mlflow is None else not self.forward_failing})
         # a run whose metrics MLflow lacks still succeeded (and a failing exit would lose a
         # Kubeflow report task's artifacts): the lines above say so
         return 0 if acc.balanced else 3
