@@ -310,7 +310,9 @@ def test_a_second_runner_on_a_run_in_use_is_refused_before_it_writes(tmp_path, t
     assert proc.returncode == 0, text[-3000:]
     assert store.get_json(keys.run_json())["config"]["seed"] == 1
 
-    # the first runner has ended: its mark no longer holds the run
+    # the first runner has ended: its mark no longer holds the run (one stopped before its
+    # summary, so that there is something to resume: a finished run is not resumed)
+    store.delete(keys.state("runner", "summary.json"))
     args = argparse.Namespace(resume="shared", config=None, overrides=[], run_id=None,
                               store=store_path)
     lr = prepare_run(args)
