@@ -153,3 +153,13 @@ def test_a_run_json_without_its_config_is_one_line_for_every_command(tmp_path, c
                 message = capsys.readouterr().err
             assert code != 0, (command, content)
             assert "runs/r1/run.json" in message and "Traceback" not in message, message
+
+
+def test_commands_reading_a_run_name_the_store_they_looked_in(tmp_path, capsys):
+    from shardrl.cli import main as cli_main
+
+    store = str(tmp_path / "store")
+    for command in ("report", "samples"):
+        assert cli_main([command, "nosuch", "--store", store]) == 2
+        assert capsys.readouterr().err == (f"shardrl {command}: no run 'nosuch' in the store "
+                                           f"'{store}' (--store names another)\n")

@@ -150,7 +150,11 @@ def default_out(handle: RunHandle) -> Path:
 def run(args) -> int:
     handle = open_run(args.run, args.store)
     if handle is None:
-        print(f"shardrl report: no run {args.run!r} in the store", file=sys.stderr)
+        from ..config import RunConfig
+
+        where = args.store or RunConfig().store.uri
+        print(f"shardrl report: no run {args.run!r} in the store {where!r} (--store names "
+              "another)", file=sys.stderr)
         return 2
     if args.fit:
         print(scaling_fit(handle, load_store_metrics(handle.store, handle.keys)).summary())

@@ -83,7 +83,11 @@ def format_table(rows: list[dict], text_width: int = 48) -> str:
 def run(args) -> int:
     handle = open_run(args.run, args.store)
     if handle is None:
-        print(f"shardrl samples: no run {args.run!r} in the store", file=sys.stderr)
+        from ..config import RunConfig
+
+        where = args.store or RunConfig().store.uri
+        print(f"shardrl samples: no run {args.run!r} in the store {where!r} (--store names "
+              "another)", file=sys.stderr)
         return 2
     versions = versions_with_data(handle.store, handle.keys)
     version = args.version if args.version is not None else (versions[-1] if versions else None)
