@@ -390,8 +390,8 @@ def refuse_if_held(record: bytes, keys: RunKeys, store_uri: str) -> None:
     if (other.get("host") == socket.gethostname() and isinstance(pid, int)
             and pid != os.getpid() and still_running(pid, other.get("process"))):
         raise SystemExit(f"shardrl run: run {keys.run_id} in {store_uri} is in use by the "
-                         f"runner with process id {pid} on this machine; wait for it, stop it, "
-                         f"or pick another --run-id")
+                         f"runner with process id {pid} on this machine; wait for it or stop "
+                         f"it first (a new run can take another --run-id instead)")
 
 
 def clear_abort(store: Store, keys: RunKeys) -> None:
