@@ -210,6 +210,8 @@ def test_a_new_run_refuses_an_id_that_already_names_an_mlflow_run(tmp_path, tiny
         assert f"run id again already names MLflow run {earlier}" in res.stderr
         assert not store.exists(RunKeys("again").run_json())
         assert not store.exists(started_key(RunKeys("again")))
+        # nor the resolved config the runner had written under the run's logs
+        assert not (tmp_path / "store" / "runs" / "again" / "logs").exists()
 
     def prepared(root: Path) -> LocalRun:
         args = argparse.Namespace(resume=None, config=str(tiny_config), overrides=[],

@@ -500,8 +500,12 @@ def _run(args, interrupted: Callable[[], bool]) -> int:
             find_user_code(lr.cfg)
             monitor = Monitor(lr, progress_bar=not args.no_progress, brief_start=True)
         except (RunIdTaken, TrackingUnavailable, UserCodeMissing):  # this run never
-            if lr.new:  # started: leave no mark
+            if lr.new:  # started: leave no mark, nor its resolved config
                 lr.store.delete(started_key(lr.keys))
+                lr.config_path.unlink(missing_ok=True)
+                for folder in (lr.log_dir, lr.log_dir.parent):  # logs/, then the run's own
+                    with contextlib.suppress(OSError):  # not empty: something else is there
+                        folder.rmdir()
             raise
     except (ConfigError, RunIdTaken, UserCodeMissing) as exc:
         print(exc, file=sys.stderr)
