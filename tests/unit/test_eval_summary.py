@@ -55,6 +55,7 @@ def test_an_episode_needs_room_for_one_token_a_single_turn_for_its_budget():
     from types import SimpleNamespace
 
     from shardrl.config import ConfigError
+    from shardrl.stages.engine import PolicyEngine
     from shardrl.stages.evaluate import _check_fit
     from shardrl.tasks.builtin import TaskItem
 
@@ -65,11 +66,17 @@ def test_an_episode_needs_room_for_one_token_a_single_turn_for_its_budget():
 
     items = [TaskItem("short", "1+1=", "2", "add"), TaskItem("long", "x" * 30, "0", "add")]
     ids = [[1] * 5, [1] * 30]  # a context of 32: 5 + 8 fits, 30 + 8 does not, 30 + 1 does
-    engine = SimpleNamespace(context=32)
+    class Engine:  # the engine's context and its own fit rule, without a model
+        fits = PolicyEngine.fits
+
+        def __init__(self, context):
+            self.context = context
+
+    engine = Engine(32)
     _check_fit(ctx("calculator"), engine, items, ids)  # no error
     with pytest.raises(ConfigError, match=r"1 of 2 .* room for 8 new token\(s\) .*: long "
                                           r"\(30 tokens\)"):
         _check_fit(ctx(None), engine, items, ids)
     with pytest.raises(ConfigError, match=r"room for 1 new token\(s\) .*: long \(32 tokens\)"):
         _check_fit(ctx("calculator"), engine, items, [[1] * 5, [1] * 32])
-    _check_fit(ctx(None), SimpleNamespace(context=None), items, ids)  # no context: no limit
+    _check_fit(ctx(None), Engine(None), items, ids)  # no context: no limit

@@ -32,8 +32,9 @@ def spans(versions: list[int]) -> str:
 
 
 def run(args) -> int:
-    from ..config import ConfigError, RunConfig
+    from ..config import ConfigError
     from ..config.loader import apply_overrides, validate
+    from ..doctor.series import store_or_default
     from ..stages.context import setup_logging
     from ..stages.learn.replay import Replay, not_replayed
     from ..store import RunKeys, StoreError, open_store
@@ -46,7 +47,7 @@ def run(args) -> int:
         print(f"shardrl replay: {exc}", file=sys.stderr)
         return 2
     try:
-        store = open_store(args.store or RunConfig().store.uri)
+        store = open_store(store_or_default(args.store))
         found = store.exists(source.run_json())
     except StoreError as exc:  # a bad URI, missing credentials or bucket, a store down
         print(f"shardrl replay: {exc}", file=sys.stderr)

@@ -17,7 +17,14 @@ from ..config import RunConfig
 from ..redact import redacted
 from .findings import Finding, format_finding
 from .rules import diagnose, too_short, unassessed
-from .series import Metrics, load_mlflow_metrics, load_store_metrics, mlflow_config, open_run
+from .series import (
+    Metrics,
+    load_mlflow_metrics,
+    load_store_metrics,
+    mlflow_config,
+    open_run,
+    store_or_default,
+)
 
 
 @dataclass
@@ -86,7 +93,7 @@ def load_diagnosis(run: str, store_uri: str | None) -> Diagnosis | None:
 def run(args) -> int:
     found = load_diagnosis(args.run, args.store)
     if found is None:
-        where = args.store or RunConfig().store.uri
+        where = store_or_default(args.store)
         print(f"shardrl doctor: no run {args.run!r} in the store {where!r} nor in MLflow",
               file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from ..store.records import Done, Progress
 from .findings import Finding, finding_tags, format_finding
 from .fit import NotEnoughData, ScalingFit, eval_points, fit_scaling, param_count
 from .rules import diagnose, too_short, unassessed
-from .series import Metrics, RunHandle, load_store_metrics, open_run
+from .series import Metrics, RunHandle, load_store_metrics, no_run, open_run
 
 MAX_SHARDS = 400  # scored shards read for the pass-rate distribution (evenly spaced)
 
@@ -150,11 +150,7 @@ def default_out(handle: RunHandle) -> Path:
 def run(args) -> int:
     handle = open_run(args.run, args.store)
     if handle is None:
-        from ..config import RunConfig
-
-        where = args.store or RunConfig().store.uri
-        print(f"shardrl report: no run {args.run!r} in the store {where!r} (--store names "
-              "another)", file=sys.stderr)
+        print(no_run("report", args.run, args.store), file=sys.stderr)
         return 2
     if args.fit:
         print(scaling_fit(handle, load_store_metrics(handle.store, handle.keys)).summary())

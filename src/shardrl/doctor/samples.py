@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from ..store import RunKeys, Store, parse_shard_key, read_shard, shards_by_name
 from ..store.schemas import READY, SCORED
-from .series import open_run
+from .series import no_run, open_run
 
 Order = Literal["stored", "worst", "best", "random"]
 COLUMNS = ("version", "reward", "ok", "len", "finish", "prompt", "response")
@@ -83,11 +83,7 @@ def format_table(rows: list[dict], text_width: int = 48) -> str:
 def run(args) -> int:
     handle = open_run(args.run, args.store)
     if handle is None:
-        from ..config import RunConfig
-
-        where = args.store or RunConfig().store.uri
-        print(f"shardrl samples: no run {args.run!r} in the store {where!r} (--store names "
-              "another)", file=sys.stderr)
+        print(no_run("samples", args.run, args.store), file=sys.stderr)
         return 2
     versions = versions_with_data(handle.store, handle.keys)
     version = args.version if args.version is not None else (versions[-1] if versions else None)

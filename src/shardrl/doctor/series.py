@@ -260,6 +260,18 @@ class RunHandle:
     cfg: RunConfig
 
 
+def store_or_default(store_uri: str | None) -> str:
+    """The store a command that reads a run looks in: `store_uri`, else the config's default
+    store."""
+    return store_uri or RunConfig().store.uri
+
+
+def no_run(command: str, run_id: str, store_uri: str | None) -> str:
+    """The one line a command that reads a run says when the store holds no such run."""
+    return (f"shardrl {command}: no run {run_id!r} in the store "
+            f"{store_or_default(store_uri)!r} (--store names another)")
+
+
 def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
     """The run `run_id` in `store_uri` (default: the config's default store), or None when the
     store holds no `run.json` for it."""
@@ -268,7 +280,7 @@ def open_run(run_id: str, store_uri: str | None) -> RunHandle | None:
     except ValueError:
         return None
     try:
-        store = open_store(store_uri or RunConfig().store.uri)
+        store = open_store(store_or_default(store_uri))
         if not store.exists(keys.run_json()):
             return None
         return RunHandle(store, keys, tolerant_config(recorded_config(store, keys.run_json())))

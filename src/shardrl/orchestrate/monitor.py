@@ -190,7 +190,7 @@ class Monitor:
               "the bound, those filtered after included)")
         # the chosen version's figure, confirmed on fresh samples when it was the best of
         # several (its own evaluation's, the selection, in brackets)
-        se = "" if promo.get("value_se") is None else f" ± {promo['value_se']:.3f}"
+        se = plus_minus(promo, "value")  # its `value_se`
         figure = (f"{promo['metric']} {promo['value']:.3f}{se} confirmed on fresh samples "
                   f"({promo['selected_value']:.3f} when chosen)" if "selected_value" in promo
                   else f"{promo.get('metric')} {promo.get('value', float('nan')):.3f}{se}")

@@ -32,13 +32,7 @@ import time
 from ..config import ConfigError
 from ..graph import entrypoint
 from ..lifetime import die_with_parent
-from ..stages import (
-    EXIT_CONFIG,
-    EXIT_RUN_ABORTED,
-    EXIT_STORE_UNAVAILABLE,
-    replicas_refused,
-    stages_refused,
-)
+from ..stages import EXIT_CONFIG, EXIT_RUN_ABORTED, EXIT_STORE_UNAVAILABLE, launch_refused
 from ..stages.context import load_stage_config, release_cache, retry_policy, setup_logging
 from ..store import RunKeys, StoreUnavailable, open_store
 from ..store.records import Aborted
@@ -66,7 +60,7 @@ def run(args) -> int:
     except ConfigError as exc:  # the child would fail alike, at every restart
         print(f"shardrl stage {args.name}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if (refused := replicas_refused(args, cfg) or stages_refused(args, cfg)) is not None:
+    if (refused := launch_refused(args, cfg)) is not None:  # the child would refuse alike
         print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
         return EXIT_CONFIG
     log = setup_logging(f"{args.name}-supervisor", args.worker)

@@ -77,6 +77,12 @@ def stages_refused(args, cfg) -> str | None:
             "config, or paste a config with the same stages")
 
 
+def launch_refused(args, cfg) -> str | None:
+    """Why a stage started as part of a compiled pipeline may not run with `cfg`
+    (`replicas_refused`, `stages_refused`), or None."""
+    return replicas_refused(args, cfg) or stages_refused(args, cfg)
+
+
 def run(args) -> int:
     threads = os.environ.get("SHARDRL_THREADS")
     from ..config import ConfigError
@@ -91,7 +97,7 @@ def run(args) -> int:
 
     from ..graph import stage
 
-    if (refused := replicas_refused(args, ctx.cfg) or stages_refused(args, ctx.cfg)) is not None:
+    if (refused := launch_refused(args, ctx.cfg)) is not None:
         print(f"shardrl stage {args.name}: {refused}", file=sys.stderr)
         return EXIT_CONFIG
 

@@ -47,6 +47,13 @@ class PolicyEngine:
     def version(self) -> int:
         return self.engine.version
 
+    def fits(self, prompt_tokens: int, room: int) -> bool:
+        """Whether a prompt of `prompt_tokens` tokens can be sampled from with `room` new
+        tokens: it has a token (an empty one would be sampled from padding alone) and the
+        two fit the model's context."""
+        return 0 < prompt_tokens and (self.context is None
+                                      or prompt_tokens + room <= self.context)
+
     def ensure(self, version: int) -> bool:
         """Load `version` if it is not the current one; True when weights changed."""
         if version == self.engine.version:

@@ -334,7 +334,7 @@ def _check_fit(ctx: StageContext, engine: PolicyEngine, items, prompt_ids: list[
     budget, context = ctx.cfg.eval_max_new_tokens, engine.context
     room = 1 if ctx.cfg.task.environment is not None else budget
     unfit = [(it.prompt_id, len(ids)) for it, ids in zip(items, prompt_ids, strict=True)
-             if not ids or (context is not None and len(ids) + room > context)]
+             if not engine.fits(len(ids), room)]
     if not unfit:
         return
     from ..config import ConfigError, FieldError

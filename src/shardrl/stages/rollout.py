@@ -623,7 +623,7 @@ def _fitting(ctx: StageContext, engine: PolicyEngine, items: list, seq: int,
     budget, context = ctx.cfg.rollout.max_new_tokens, engine.context
     encoded = engine.encode([it.prompt for it in items])
     lengths = [len(ids) for ids in encoded]
-    fits = [0 < n and (context is None or n + budget <= context) for n in lengths]
+    fits = [engine.fits(n, budget) for n in lengths]
     if all(fits):
         return items, encoded
     unfit = [{"prompt_id": it.prompt_id, "prompt_tokens": n}
