@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
-from procs import alive
+from procs import alive, children
 from shardrl.tasks.rewards import (
     RewardSpec,
     VerifierTerm,
@@ -17,6 +18,7 @@ from shardrl.tasks.rewards import (
 )
 from shardrl.tasks.sandbox import (
     SandboxLimits,
+    SandboxResult,
     extract_code,
     run_python_snippet,
     run_sandboxed_call,
@@ -64,6 +66,9 @@ def signal_parent(response, answer):
 def signal_self(response, answer):
     os.kill(os.getpid(), 0)  # a probe of its own process: allowed
     return 1.0
+
+def parent_environ():
+    return open("/proc/%d/environ" % os.getppid(), "rb").read().decode(errors="replace")
 
 def surroundings():
     return {"env": sorted(os.environ), "cwd": os.getcwd(), "stdin": sys.stdin.read()}
@@ -143,18 +148,19 @@ def test_a_result_larger_than_the_pipe_comes_back_at_once(reward_module):
 
 
 def test_a_sandboxed_verifier_module_is_not_imported_here(tmp_path, monkeypatch):
-    """Its module's top-level code is as untrusted as its function: it runs in the child."""
-    marker = tmp_path / "ran-in"
+    """Its module's top-level code is as untrusted as its function: it runs in the child
+    (which may not write beside it, so the module tells where it ran through its result)."""
     (tmp_path / "untrusted_reward.py").write_text(
         "import os\n"
-        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "LOADED_BY = os.getpid()\n"
         "def score(response, answer):\n"
-        "    return 1.0 if response == answer else 0.0\n")
+        "    return float(LOADED_BY) if response == answer else 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = get_verifier("untrusted_reward:score", sandboxed=True, limits=LIMITS)
-    assert not marker.exists()  # not imported by the parent
-    assert run_verifier(fn, "a", "a") == (1.0, None)
-    assert str(os.getpid()) not in marker.read_text().split()  # it ran in the child only
+    assert "untrusted_reward" not in sys.modules  # not imported by the parent
+    loaded_by, error = run_verifier(fn, "a", "a")
+    assert error is None and loaded_by not in (0.0, float(os.getpid()))  # the child did
+    assert "untrusted_reward" not in sys.modules
     with pytest.raises(Exception, match="no module named 'no_such_reward'"):
         get_verifier("no_such_reward:score", sandboxed=True, limits=LIMITS)
 
@@ -162,22 +168,21 @@ def test_a_sandboxed_verifier_module_is_not_imported_here(tmp_path, monkeypatch)
 def test_a_sandboxed_verifier_package_is_not_imported_here_either(tmp_path, monkeypatch):
     """`pkg.mod:fn`: finding `pkg.mod` must not run `pkg/__init__.py` in the scorer, where the
     credentials are."""
-    marker = tmp_path / "ran-in"
     package = tmp_path / "untrusted_pkg"
     package.mkdir()
-    (package / "__init__.py").write_text(
-        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n")
-    (package / "rules.py").write_text("def score(response, answer):\n"
-                                      "    return 1.0 if response == answer else 0.0\n")
+    (package / "__init__.py").write_text("import os\nLOADED_BY = os.getpid()\n")
+    (package / "rules.py").write_text("from untrusted_pkg import LOADED_BY\n"
+                                      "def score(response, answer):\n"
+                                      "    return float(LOADED_BY) if response == answer else 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = get_verifier("untrusted_pkg.rules:score", sandboxed=True, limits=LIMITS)
-    assert not marker.exists()
-    assert run_verifier(fn, "a", "a") == (1.0, None)
-    assert str(os.getpid()) not in marker.read_text().split()  # it ran in the child only
+    assert "untrusted_pkg" not in sys.modules
+    loaded_by, error = run_verifier(fn, "a", "a")
+    assert error is None and loaded_by not in (0.0, float(os.getpid()))
     for missing in ("untrusted_pkg.nothing:score", "untrusted_pkg.rules.deeper:score"):
         with pytest.raises(Exception, match="cannot load verifier"):
             get_verifier(missing, sandboxed=True, limits=LIMITS)
-    assert not marker.exists() or str(os.getpid()) not in marker.read_text().split()
+    assert "untrusted_pkg" not in sys.modules
 
 
 def test_python_exec_compares_stdout_and_stays_sandboxed():
@@ -384,21 +389,18 @@ def test_a_killed_parent_takes_its_child_along(tmp_path):
     """SIGKILL leaves the parent no chance to kill its child: the kernel does it."""
     import signal
     import subprocess
-    import sys
 
-    marker = tmp_path / "child.pid"
-    snippet = (f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
-               "time.sleep(60)")
     script = tmp_path / "parent.py"
     script.write_text("from shardrl.tasks.sandbox import SandboxLimits, run_python_snippet\n"
-                      f"run_python_snippet({snippet!r}, SandboxLimits(cpu_seconds=30, "
-                      "memory_mb=256, wall_seconds=60))\n")
+                      "run_python_snippet('import time\\ntime.sleep(60)', SandboxLimits("
+                      "cpu_seconds=30, memory_mb=256, wall_seconds=60))\n")
     parent = subprocess.Popen([sys.executable, str(script)])
     try:
         deadline = time.monotonic() + 20
-        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        while not (found := children(parent.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        child = int(marker.read_text())
+        child = found[0]
+        time.sleep(0.3)  # past its start: the death signal is armed before the snippet runs
         assert alive(child)
     finally:
         parent.send_signal(signal.SIGKILL)
@@ -419,3 +421,76 @@ def test_the_guard_is_out_of_the_snippets_reach(code, refused):
     heap walk that would find its hook is refused."""
     result = run_python_snippet(code, LIMITS)
     assert result.error == f"crashed: PermissionError: not allowed in the sandbox: {refused}"
+
+
+def _walls() -> tuple[str, ...]:
+    return run_python_snippet("pass", LIMITS).walls
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="seccomp table")
+@pytest.mark.parametrize("code", [
+    # a fresh `posix` and `_signal` built through `_imp` carry none of the guard's patches
+    "import _imp, importlib.machinery as m\n"
+    "p = _imp.create_builtin(m.ModuleSpec('posix', None))\n"
+    "s = _imp.create_builtin(m.ModuleSpec('_signal', None))\n"
+    "s.pidfd_send_signal(p.pidfd_open(p.getppid()), 0)",
+    "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM)",
+    "import socket\nsocket.socket(socket.AF_UNIX)",
+])
+def test_the_kernel_refuses_what_gets_past_the_guard(code):
+    """The audit hook is a guard inside the interpreter; the seccomp filter is the wall:
+    no signal by process descriptor, no socket, whatever reached the call."""
+    result = run_python_snippet(code, LIMITS)
+    assert "seccomp" in result.walls
+    assert result.error == "crashed: PermissionError: [Errno 1] Operation not permitted"
+
+
+def test_threads_and_its_own_signals_still_work():
+    code = ("import os, signal, threading\nout = []\n"
+            "t = threading.Thread(target=out.append, args=(7,)); t.start(); t.join()\n"
+            "os.kill(os.getpid(), 0); os.killpg(0, 0); signal.pthread_kill(threading.main_thread().ident, 0)\n"
+            "print(out[0])")
+    assert run_python_snippet(code, LIMITS) == SandboxResult(stdout="7\n", walls=_walls())
+
+
+@pytest.mark.parametrize(("code", "path"), [
+    ("import os\nopen('/proc/%d/environ' % os.getppid(), 'rb').read()", "/proc/"),
+    ("import os\nos.listdir('{folder}')", "{folder}"),
+    ("open('{outside}', 'w').write('x')", "{outside}"),
+    ("import os\nos.symlink('{outside}', 'link')\nopen('link', 'w').write('x')", "link"),
+])
+def test_the_file_system_is_the_interpreters_and_the_calls_folder(code, path, tmp_path):
+    """Landlock: the parent's environment (its credentials), other folders and files outside
+    the call's folder are out of reach; the folder itself is the code's."""
+    if "landlock" not in _walls():
+        pytest.skip("this kernel offers no Landlock")
+    outside = tmp_path / "written-from-the-sandbox"
+    result = run_python_snippet(code.format(outside=outside, folder=tmp_path), LIMITS)
+    assert result.error.startswith("crashed: PermissionError: [Errno 13] Permission denied: ")
+    assert path.format(outside=outside, folder=tmp_path) in result.error
+    assert not outside.exists()
+    inside = "import os\nos.mkdir('d'); open('d/f', 'w').write('1'); print(open('d/f').read())"
+    assert run_python_snippet(inside, LIMITS).stdout == "1\n"
+
+
+def test_a_sandboxed_verifier_cannot_read_its_parents_credentials(reward_module, monkeypatch):
+    if "landlock" not in _walls():
+        pytest.skip("this kernel offers no Landlock")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
+    result = run_sandboxed_call(f"{reward_module}:parent_environ", [], LIMITS)
+    assert result.error.startswith("crashed: PermissionError: [Errno 13] Permission denied")
+    assert "hunter2" not in result.error + result.stdout
+
+
+def test_a_missing_wall_is_said_once(caplog):
+    from shardrl.tasks import sandbox
+
+    sandbox._unwalled.clear()
+    with caplog.at_level("WARNING", logger="shardrl.sandbox"):
+        sandbox._note_walls(("seccomp",))
+        sandbox._note_walls(())
+        sandbox._note_walls(())
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("sandbox: no Landlock")
+    assert said[1].startswith("sandbox: no seccomp")
+    sandbox._unwalled.clear()

@@ -15,23 +15,32 @@ stdout and stderr through files the parent holds open, never by a name in the ch
 Failures never raise here: they come back as an error string, "timeout", "memory" or
 "crashed: ...".
 
-Since those limits hold per process, the child may not start another one: an audit hook,
-installed before the untrusted code runs, refuses fork, exec, spawn, `os.system`,
-`subprocess` and signals to other processes (a sandboxed verifier that must run a program
-runs unsandboxed, under limits of its own). A snippet (`run_python_snippet`, model output)
-may not load native code either (`ctypes`, `_posixsubprocess`). This is a guard inside the
-interpreter, not a wall: native code the child can still reach may go around it.
+Since those limits hold per process, the child may not start another one. Two walls the
+kernel enforces come before any untrusted code, each where the kernel offers it (the result
+names those applied in `walls`, and a missing one is logged once per process):
+- a seccomp filter: no fork, exec or `clone` of a process (threads are allowed), no socket,
+  no ptrace or access to another process's memory, no signal to another process (also by
+  process descriptor), no io_uring, no new namespaces or keys;
+- Landlock: of the file system the child reads only the interpreter, the system's
+  libraries and the import path, and writes only the call's own folder (the parent's
+  `/proc/<pid>/environ` and the user's home are out of reach, unless on the import path);
+  from Linux 6.7 no TCP, from 6.12 no signal or abstract socket beyond the child.
+An audit hook inside the interpreter refuses the same things first, with a clearer error:
+fork, exec, spawn, `os.system`, `subprocess` and signals to other processes (a sandboxed
+verifier that must run a program runs unsandboxed, under limits of its own); a snippet
+(`run_python_snippet`, model output) may not load native code either (`ctypes`,
+`_posixsubprocess`). Without the walls (another kernel, or a container that refuses their
+calls) that guard is all there is, and native code can go around it.
 
-Not isolated: network and the file system, and the parent itself: the child runs as the
-same user, so it can read the parent's `/proc/<pid>/environ` (credentials included) and the
-run's files. A per-call user or namespaces (bubblewrap, nsjail) would close this. Code that
-a verifier executes in its own process can forge that process's result; `run_python_snippet`
-avoids this by judging only the snippet's stdout in the parent.
+Code that a verifier executes in its own process can forge that process's result;
+`run_python_snippet` avoids this by judging only the snippet's stdout in the parent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -60,12 +69,9 @@ def _start():
     with open(sys.argv[1]) as fh:
         req = json.load(fh)
     os.unlink(sys.argv[1])
-    # killed with the parent (SIGKILL, or the parent stopped mid-call): never left running.
-    # ctypes is then forgotten, so that a snippet importing it loads it anew (refused below)
+    # killed with the parent (SIGKILL, or the parent stopped mid-call): never left running
     import ctypes
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]
     if os.getppid() != req["parent"]:  # the parent died first
         os._exit(1)
     cpu = req["cpu_seconds"]
@@ -74,8 +80,120 @@ def _start():
     resource.setrlimit(resource.RLIMIT_FSIZE, (req["output_bytes"], req["output_bytes"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (req["open_files"], req["open_files"]))
+    req["walls"] = _walls(req, ctypes)
+    # ctypes is then forgotten, so that a snippet importing it loads it anew (refused below)
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
     _guard(req["mode"] == "snippet")
     return req, int(sys.argv[2])
+
+def _walls(req, ctypes):
+    # Limits the kernel enforces, out of reach of anything the code does in Python or in
+    # native code: Landlock (the file system: read the interpreter, its libraries and the
+    # import path, write only the call's folder; no TCP; no signal or abstract socket
+    # beyond this process) and a seccomp filter (no new program or process, no socket, no
+    # ptrace, no io_uring, no namespaces). Each is applied where the kernel offers it; the
+    # names of those applied go back with the result.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: required by both
+        return []
+    applied = []
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(.., VERSION)
+    if abi >= 1 and _landlock(req, ctypes, libc, abi):
+        applied.append("landlock")
+    if _seccomp(req, ctypes, libc):
+        applied.append("seccomp")
+    return applied
+
+def _landlock(req, ctypes, libc, abi):
+    every = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (
+        1 << 15 if abi >= 5 else 0)
+    read_file, read_dir, write_file = 1 << 2, 1 << 3, 1 << 1
+    truncate = 1 << 14 if abi >= 3 else 0
+    class Ruleset(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64),
+                    ("scoped", ctypes.c_uint64)]
+    class Beneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("access", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+    ruleset = Ruleset(every, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    rules = libc.syscall(444, ctypes.byref(ruleset), size, 0)
+    if rules < 0:
+        return False
+    try:
+        reads = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                 *sys.path, *req["read_paths"], "/usr", "/lib", "/lib64", "/etc/ld.so.cache",
+                 "/etc/localtime", "/dev/urandom", "/proc/cpuinfo", "/proc/meminfo",
+                 "/sys/devices/system/cpu", "/proc/self"]
+        grants = [(os.path.realpath(p), read_file | read_dir) for p in reads if p] + [
+            ("/dev/null", read_file | write_file | truncate), (os.getcwd(), every)]
+        for path, access in grants:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                added = -1
+                continue
+            try:
+                if not os.path.isdir(path):
+                    access &= ~read_dir
+                added = libc.syscall(445, rules, 1, ctypes.byref(Beneath(access, fd)), 0)
+            finally:
+                os.close(fd)
+        # the call's own folder last: without it the code could write nowhere
+        return added == 0 and libc.syscall(446, rules, 0) == 0
+    finally:
+        os.close(rules)
+
+def _seccomp(req, ctypes, libc):
+    machine = os.uname().machine
+    # (audit arch, clone, kill, tgkill, refused with EPERM); clone3 gets ENOSYS, so that the
+    # C library starts threads through clone, where the flags can be read
+    table = {
+        "x86_64": (0xC000003E, 56, 62, 234, (
+            57, 58, 59, 322,  # fork, vfork, execve, execveat
+            101, 310, 311,  # ptrace, process_vm_readv/writev
+            41,  # socket
+            200, 129, 297, 424, 434, 438,  # tkill, rt_(tg)sigqueueinfo, pidfd_*
+            425, 426, 427,  # io_uring_*
+            272, 308, 165, 321, 298, 323, 248, 249, 250, 135)),  # unshare ... personality
+        "aarch64": (0xC00000B7, 220, 129, 131, (
+            221, 281, 117, 270, 271, 198, 130, 138, 240, 424, 434, 438, 425, 426, 427,
+            97, 268, 40, 280, 241, 282, 217, 218, 219, 92)),
+    }.get(machine)
+    if table is None:
+        return False
+    arch, clone, kill, tgkill, refused = table
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    own = os.getpid()
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),  # another ABI: killed
+            (ld, 0, 0, 0)]
+    if machine == "x86_64":  # the x32 ABI's numbers
+        prog += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
+    for nr in refused:
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+    prog += [(jeq, 0, 1, 435), (ret, 0, 0, enosys),
+             # kill: this process, its own group (a session of its own) or 0
+             (jeq, 0, 6, kill), (ld, 0, 0, 16), (jeq, 3, 0, own),
+             (jeq, 2, 0, -own & 0xFFFFFFFF), (jeq, 1, 0, 0), (ret, 0, 0, eperm),
+             (ret, 0, 0, allow),
+             # tgkill: a thread of this process
+             (jeq, 0, 4, tgkill), (ld, 0, 0, 16), (jeq, 1, 0, own), (ret, 0, 0, eperm),
+             (ret, 0, 0, allow),
+             # clone: a thread (CLONE_THREAD), never a process
+             (jeq, 0, 4, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000), (ret, 0, 0, eperm),
+             (ret, 0, 0, allow),
+             (ret, 0, 0, allow)]
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
+                    ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+    insns = (Insn * len(prog))(*[Insn(*i) for i in prog])
+    fprog = Prog(len(prog), insns)
+    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, FILTER
 
 def _guard(snippet):
     # the limits hold per process: no new process, no exec, no signal to another process
@@ -144,14 +262,15 @@ def _main(req, fd):
                 fn = getattr(fn, part)
             value = fn(*req["args"])
         sys.stdout.flush()
-        report({"value": value})
+        report({"value": value, "walls": req["walls"]})
     except MemoryError:
-        report({"error": "memory"})
+        report({"error": "memory", "walls": req["walls"]})
     except BaseException as exc:
-        report({"error": ("crashed: %s: %s" % (type(exc).__name__, exc))[:%(max_error)d]})
+        report({"error": ("crashed: %s: %s" % (type(exc).__name__, exc))[:%(max_error)d],
+                "walls": req["walls"]})
 
 _request = _start()
-del _start, _guard
+del _start, _guard, _walls, _landlock, _seccomp
 _main(*_request)
 """.replace("%(max_error)d", str(MAX_ERROR_CHARS)).replace("%(max_files)d",
                                                             str(MAX_FILES_WRITTEN))
@@ -175,6 +294,8 @@ class SandboxResult:
     value: Any = None
     stdout: str = ""
     error: str | None = None
+    walls: tuple[str, ...] = ()
+    """The kernel's limits the child applied ("landlock", "seccomp"), when it reported them."""
 
 
 class SandboxError(RuntimeError):
@@ -193,6 +314,42 @@ def clean_env(workdir: str) -> dict[str, str]:
 
 def _parent_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+
+
+def _import_roots(target: str) -> list[str]:
+    """What a sandboxed call may read besides the interpreter: the parent's import path and
+    the folder its target's top-level package comes from (an editable install's package is
+    on no path entry). Found without importing the package."""
+    top = target.partition(":")[0].partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    found = list(spec.submodule_search_locations or []) if spec else []
+    if spec and spec.origin and not found:
+        found.append(spec.origin)
+    return _parent_sys_path() + [os.path.dirname(p) for p in found]
+
+
+WALLS = ("landlock", "seccomp")
+_unwalled: set[str] = set()
+
+
+def _note_walls(walls: tuple[str, ...]) -> None:
+    """Warn once per process for each wall the kernel did not give a child."""
+    for wall in WALLS:
+        if wall not in walls and wall not in _unwalled:
+            _unwalled.add(wall)
+            logging.getLogger("shardrl.sandbox").warning(
+                "sandbox: %s", _MISSING[wall])
+
+
+_MISSING = {
+    "landlock": "no Landlock in this kernel (or it is refused here): sandboxed code can read "
+                "and write what this user can, and connect over TCP",
+    "seccomp": "no seccomp filter could be installed: native code in the sandbox can start "
+               "processes and open sockets past the Python-level guard",
+}
 
 
 def _read_available(fd: int, chunks: list[bytes]) -> int | None:
@@ -348,9 +505,14 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
         message = {"error": "crashed: unreadable result"}
     error = _classify(proc.returncode, message, stderr, snippet, cpu[0] if cpu else None,
                       request["cpu_seconds"])
+    walls = message.get("walls") if isinstance(message, dict) else None
+    walls = tuple(w for w in walls if w in WALLS) if isinstance(walls, list) else ()
+    if message is not None:
+        _note_walls(walls)
     if error is not None:
-        return SandboxResult(stdout=text, error=error)
-    return SandboxResult(value=message.get("value") if message else None, stdout=text)
+        return SandboxResult(stdout=text, error=error, walls=walls)
+    return SandboxResult(value=message.get("value") if message else None, stdout=text,
+                         walls=walls)
 
 
 def run_sandboxed_call(target: str, args: list[Any], limits: SandboxLimits) -> SandboxResult:
@@ -358,14 +520,13 @@ def run_sandboxed_call(target: str, args: list[Any], limits: SandboxLimits) -> S
 
     The child sees the parent's `sys.path`, so whatever the parent can import it can too.
     """
-    return _run(
-        {"mode": "call", "target": target, "args": args, "sys_path": _parent_sys_path()}, limits
-    )
+    return _run({"mode": "call", "target": target, "args": args, "sys_path": _parent_sys_path(),
+                 "read_paths": _import_roots(target)}, limits)
 
 
 def run_python_snippet(code: str, limits: SandboxLimits) -> SandboxResult:
     """Execute Python source as `__main__` in the sandbox and capture its stdout."""
-    return _run({"mode": "snippet", "code": code, "sys_path": []}, limits)
+    return _run({"mode": "snippet", "code": code, "sys_path": [], "read_paths": []}, limits)
 
 
 def sandboxed_verifier(dotted_path: str, limits: SandboxLimits):
