@@ -105,16 +105,24 @@ def _name_filter(name: str) -> str:
         {"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
 
 
-def ensure_version(client: Any, package: Path, pipeline: str, description: str) -> tuple[str, str]:
-    """(pipeline id, version id) of `package`, uploading the pipeline or a version if needed."""
-    pipeline_id = client.get_pipeline_id(pipeline)
+def ensure_version(client: Any, package: Path, pipeline: str, description: str,
+                   namespace: str | None = None) -> tuple[str, str]:
+    """(pipeline id, version id) of `package`, uploading the pipeline or a version if needed.
+    With `namespace` (multi-user Kubeflow) the pipeline is that namespace's own, looked up and
+    uploaded there; without, it is a shared one."""
+    if namespace:
+        found = client.list_pipelines(page_size=1, filter=_name_filter(pipeline),
+                                      namespace=namespace).pipelines
+        pipeline_id = found[0].pipeline_id if found else None
+    else:
+        pipeline_id = client.get_pipeline_id(pipeline)
     name = version_name(package)
     if pipeline_id is None:
         # Uploading a new pipeline also makes a first version, named after the pipeline, which
         # a later submission of this package could not find by name: the package goes up
         # again as a version named `version_name`, which runs and is found next time.
         created = client.upload_pipeline(str(package), pipeline_name=pipeline,
-                                         description=description)
+                                         description=description, namespace=namespace)
         version = client.upload_pipeline_version(str(package), name,
                                                  pipeline_id=created.pipeline_id,
                                                  description=description)
@@ -281,7 +289,8 @@ def _submit(package: Path, *, host: str, pipeline: str, description: str, experi
     doing = "uploading the pipeline"
     try:
         client = connect()
-        pipeline_id, version_id = ensure_version(client, package, pipeline, description)
+        pipeline_id, version_id = ensure_version(client, package, pipeline, description,
+                                                 namespace)
         doing = "creating the run"
         exp = client.create_experiment(name=experiment, namespace=namespace)
         run, found = None, None

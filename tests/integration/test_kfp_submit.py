@@ -285,6 +285,28 @@ def test_resubmitting_the_same_config_reuses_its_version(kfp_api, monkeypatch):
     assert run["pipeline_version_reference"]["pipeline_version_id"] == "pv-1"
 
 
+def test_multi_user_pipelines_are_the_namespaces_own(kfp_api, monkeypatch):
+    """With KFP_NAMESPACE the pipeline is looked up and uploaded in that namespace (private
+    to it), not as a shared pipeline every namespace sees, and the experiment is made there."""
+    host, state = kfp_api
+    monkeypatch.setenv("KFP_HOST", host)
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    monkeypatch.setenv("KFP_NAMESPACE", "team-a")
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    lookup = state.one("GET", f"{API}/pipelines")
+    assert lookup.query["namespace"] == ["team-a"]
+    assert json.loads(lookup.query["filter"][0])["predicates"][0]["stringValue"] == "shardrl"
+    assert state.one("POST", f"{API}/pipelines/upload").query["namespace"] == ["team-a"]
+    assert state.one("POST", f"{API}/experiments").json()["namespace"] == "team-a"
+
+    state.existing_pipeline, state.existing_version = True, None
+    state.requests.clear()
+    assert cli_main(["pipeline", "run", "demo"]) == 0
+    assert state.one("GET", f"{API}/pipelines").query["namespace"] == ["team-a"]
+    assert ("POST", f"{API}/pipelines/upload") not in state.paths()
+    assert state.one("POST", f"{API}/pipelines/upload_version").query["pipelineid"] == ["pl-1"]
+
+
 def test_without_kfp_host_the_local_runner_runs_the_config(monkeypatch, capsys):
     monkeypatch.delenv("KFP_HOST", raising=False)
     monkeypatch.delenv("REQUIRE_CLUSTER", raising=False)
