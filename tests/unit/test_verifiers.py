@@ -66,7 +66,8 @@ def test_numeric_whole_number_answers_take_no_relative_tolerance():
 
 
 def test_final_answer_priority():
-    # boxed beats "answer is", which beats "####", which beats the last number.
+    # boxed beats "answer is" and "####" (the last of them that states a number), which beat
+    # the last number.
     assert final_answer("answer is 3, but \\boxed{\\frac{1}{2}} and 9") == "\\frac{1}{2}"
     assert final_answer("#### 5\nThe answer is 1,000 apples. Then 7") == "1,000"
     assert final_answer("work 3 + 4\n#### 72") == "72"
@@ -154,3 +155,78 @@ def test_a_huge_exponent_is_not_a_number_and_costs_nothing():
     calc.reset(TaskItem("c", "17+25", "42", "calc"))
     assert calc.step("answer: 1e3000000").reward == 0.0
     assert time.monotonic() - started < 1.0
+
+
+def test_math_final_answer_misreads():
+    """As a careful grader reads them: a hedge or a retraction states no answer, a number
+    that goes on into an expression or a longer number is not the answer, and LaTeX that
+    only dresses a value is ignored."""
+    cases = {
+        # offered as one of alternatives: no single answer
+        ("The answer is 12 or 13.", "12"): 0.0,
+        ("The answer is 12, or maybe 13.", "12"): 0.0,
+        ("The answer is 12 (or 13).", "12"): 0.0,
+        ("The answer is 12, 13, or 14.", "12"): 0.0,
+        ("#### 12 or 13", "12"): 0.0,
+        ("It could be \\boxed{12} or \\boxed{13}", "13"): 0.0,
+        ("**12** or **13**", "13"): 0.0,
+        ("the sum is 12 or 13", "13"): 0.0,
+        # a number that goes on into an expression or a longer number is not the answer
+        ("The answer is 12 + 5.", "12"): 0.0,
+        ("The answer is 2^3.", "2"): 0.0,
+        ("The answer is 2\\sqrt{2}.", "2"): 0.0,
+        ("The answer is 3\\frac{1}{2}.", "3"): 0.0,
+        ("The answer is 12:30.", "12"): 0.0,
+        ("The answer is 1,00.", "1"): 0.0,
+        ("The answer is 12,5.", "12"): 0.0,
+        ("The answer is 1 000.", "1"): 0.0,
+        ("The answer is 1 000.", "1000"): 1.0,
+        ("The answer is 3 / 4.", "0.75"): 1.0,
+        ("The answer is 1/2/3.", "1/2"): 0.0,
+        ("The answer is 5, because x = 12 - 7.", "12"): 0.0,  # an "=" further on
+        ("The answer is 5, because x = 12 - 7.", "5"): 1.0,
+        # stated, then taken back or stated again
+        ("The answer is 12. Wait, actually it is 13.", "12"): 0.0,
+        ("The answer is 12.\nWait, I made a mistake: 3 * 5 = 15.", "12"): 0.0,
+        ("\\boxed{12}\nOops, that is wrong: 3 * 5 = 15.", "12"): 0.0,
+        ("The answer is 12.\n#### 13", "12"): 0.0,
+        ("The answer is 12.\n#### 13", "13"): 1.0,
+        ("The answer is 12.\nI am sure this answer is correct.", "12"): 1.0,
+        # LaTeX dress, units, a Unicode minus sign
+        ("\\boxed{12 \\text{ cm}}", "12"): 1.0,
+        ("\\boxed{50\\%}", "50"): 1.0,
+        ("\\boxed{\\$12}", "12"): 1.0,
+        ("\\boxed{1\\,000}", "1000"): 1.0,
+        ("\\boxed{12^\\circ}", "12"): 1.0,
+        ("\\boxed{x = 5}", "5"): 1.0,
+        ("\\boxed{\\left(\\frac{1}{2}\\right)}", "1/2"): 1.0,
+        ("The answer is \u22125.", "-5"): 1.0,
+    }
+    assert {case: math_final_answer(*case) for case in cases} == cases
+    assert final_answer("The answer is 12 or 13.") is None
+    assert final_answer("The answer is 12 + 5.") == "12 + 5"
+    assert parse_number("3\\frac{1}{2}") is None and parse_number("4 2") is None
+    assert parse_number("1 000") == 1000
+
+
+def test_math_final_answer_keeps_plain_readings():
+    """Units, `12.0`, signs, and a later check or restatement of the same value."""
+    cases = {
+        ("The answer is 12 cm.", "12"): 1.0,
+        ("The answer is 12.0", "12"): 1.0,
+        ("The answer is 42.000001", "42"): 0.0,
+        ("The answer is 50%.", "50"): 1.0,
+        ("The answer is -5.", "5"): 0.0,
+        ("\\boxed{-5}", "-5"): 1.0,
+        ("The answer is 1,000 apples.", "1000"): 1.0,
+        ("The answer is 17 apples, since 12 + 5 = 17.", "17"): 1.0,
+        ("The answer is 2 hours or 120 minutes.", "2"): 1.0,  # the same value, restated
+        ("Since 3 or 4 friends come, the total is 12.", "12"): 1.0,
+        ("The answer is 17.\nWait, let me check: 20 - 3 = 17. Yes.", "17"): 1.0,
+        ("\\boxed{12}\nWait, actually \\boxed{13}", "13"): 1.0,
+        ("\\boxed{17}\n\nI hope this answer is helpful!", "17"): 1.0,
+        ("\\boxed{(1, 2)}", "(1,2)"): 1.0,
+        ("\\boxed{\\text{(C)}}", "\\text{(C)}"): 1.0,
+        ("\\boxed{x^2+1}", "x^2+1"): 1.0,
+    }
+    assert {case: math_final_answer(*case) for case in cases} == cases

@@ -43,6 +43,30 @@ _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 _MARKUP = re.compile(r"\*\*|__|`|\\[()\[\]]")
 _ITALIC = re.compile(r"(?<![\w*])[*_](?=\S)([^*_\n]+?)(?<=\S)[*_](?![\w*])")
 _BOLD = re.compile(r"\*\*([^*\n]+)\*\*|__([^_\n]+)__")
+# LaTeX that only dresses a value, removed before an answer is read: `\text{}` units,
+# thin spaces (`1\,000`), `\left(`, escaped `\%` and `\$`, degrees, a Unicode minus sign
+_DRESS = (
+    (re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{([^{}]*)\}"), r" \1"),
+    (re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[,!;]|\^\{?\\circ\}?|\u00b0"), ""),
+    (re.compile(r"\\([%$])"), r"\1"),
+    (re.compile("\u2212"), "-"),
+)
+# The end of a stated answer's sentence ("42. Then", "42!"), not the point of "4.2"
+_SENTENCE_END = re.compile(r"[.!?;](?:\s|$)")
+# What makes a number the start of an expression or of a longer number, not an answer:
+# "12 + 5", "2^3", "2\\sqrt{2}", "2π", "12:30", "1 000", "12,5", "12, 13", "2x", "2(3)"
+_CONTINUES = re.compile(r"[a-zA-Z(](?![a-zA-Z])|\s*(?:[-+*/^:×÷·<>²³\dπ√\\]|,\s*-?\d|x\s*\d)")
+# An answer offered as one of alternatives: "12 or 13", "12, or maybe 13", "12 (or 13)",
+# "\\boxed{12} or \\boxed{13}"
+_OR = r"\bor\s+(?:maybe\s+|perhaps\s+|possibly\s+)?[$*_(]*(?:\\boxed\{)?"
+_OR_BEFORE = re.compile(rf"\d[\s$*_)}},]*{_OR}$")
+_OR_AFTER = re.compile(rf"[\s$*_)}},(]*{_OR}-?\d")
+# A retraction after an answer: "Wait, ...", "Actually, ...", "I made a mistake", "is wrong"
+_RETRACT = re.compile(
+    r"\b(?:wait|oops|correction|actually)[,:!]"
+    r"|\bmade an? (?:\w+ )?(?:mistake|error)\b|\b(?:is|was|'s) (?:wrong|incorrect)\b",
+    re.IGNORECASE,
+)
 _WORD_EDGE = " \t.,;:!?\"'()[]{}"
 
 
@@ -64,8 +88,11 @@ def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
 
 def parse_number(text: str) -> Fraction | None:
     """Exact value of a number written as `1,234`, `1{,}234`, `-0.5`, `3/4`, `\\frac{3}{4}`,
-    `2e3`, `$5`; None for anything else, and for exponents beyond +-`MAX_EXPONENT` (the
-    exact value of `1e999999999` would take hours to compute)."""
+    `2e3`, `$5`, `1 000`; None for anything else (a mixed number `3\\frac{1}{2}`, digits
+    apart `4 2`), and for exponents beyond +-`MAX_EXPONENT` (the exact value of
+    `1e999999999` would take hours to compute)."""
+    if re.search(r"\d\s*\\[dt]?frac|\d\s+(?!\d{3}\b)\d", text):
+        return None
     s = _FRAC.sub(r"(\1)/(\2)", text.strip().rstrip(".").strip("$").replace("{,}", ","))
     s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s).replace(" ", "").replace("(", "").replace(")", "")
     if any(len(e.lstrip("0")) > 4 or int(e) > MAX_EXPONENT for e in _EXPONENT.findall(s)):
@@ -97,13 +124,20 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _leading_answer(text: str) -> str:
-    """A number at the start of `text` ("42 apples" -> "42"), else `text` up to ". " or ", ";
-    after the last "=" when there is one ("5+38 = 43." -> "43")."""
-    text = text.rsplit("=", 1)[-1]
-    if number := _NUMBER.match(text.strip().lstrip("$")):
-        return number.group(0)
-    return re.split(r"\.\s|,\s", text, maxsplit=1)[0]
+def _leading_answer(text: str, whole: bool = False) -> tuple[str, str]:
+    """(answer, the text after it) of a stated answer: the number it starts with ("42
+    apples" -> "42"), else the number after its last "=" ("5+38 = 43." -> "43"), unless
+    that number goes on into an expression ("12 + 5", "2^3", "12, 13"): then the whole
+    expression. Without a number: `text` up to ", " ("x + 1, clearly"), or all of it with
+    `whole`."""
+    value = text.rsplit("=", 1)[-1]
+    for part in (text, value):
+        part = part.strip().lstrip("$")
+        if (number := _NUMBER.match(part)) and not _CONTINUES.match(part, number.end()):
+            return number.group(0), part[number.end():]
+    if whole or _NUMBER.match(value.strip().lstrip("$")):
+        return value, ""
+    return re.split(r",\s", value, maxsplit=1)[0], ""
 
 
 def strip_markup(text: str) -> str:
@@ -112,29 +146,80 @@ def strip_markup(text: str) -> str:
     return _MARKUP.sub("", _ITALIC.sub(r"\1", text))
 
 
-def _bold_number(text: str) -> str | None:
-    """The last emphasised span (`**X**` or `__X__`) that is a number, as written."""
-    for bold, under in reversed(_BOLD.findall(text)):
-        span = (bold or under).strip().rstrip(".").strip()
+def _undress(text: str) -> str:
+    """`text` without LaTeX that only dresses a value: "\\text{ cm}" -> " cm", "50\\%" ->
+    "50%", "1\\,000" -> "1000", "\\left(" -> "(", "12^\\circ" -> "12"; a Unicode minus
+    sign becomes "-"."""
+    for pattern, repl in _DRESS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _bold_number(text: str) -> tuple[str, str, str] | None:
+    """(number as written, text before, text after) of the last emphasised span (`**X**`
+    or `__X__`) that is a number."""
+    for match in reversed(list(_BOLD.finditer(text))):
+        span = (match[1] or match[2]).strip().rstrip(".").strip()
         if _NUMBER.fullmatch(span.strip("$")) and parse_number(span) is not None:
-            return span
+            return span, text[:match.start()], text[match.end():]
     return None
 
 
+def _statement(plain: str) -> tuple[str, str, str] | None:
+    """(answer, text before, text after) of the explicit statement a response ends on: the
+    last `\\boxed{X}`; else the last "answer is X" or "#### X" whose answer has a digit
+    ("answer is 12. ... this answer is correct" -> "12"); else the last "answer is", else
+    the last "####"."""
+    start = plain.rfind(_BOXED)
+    if start >= 0 and (content := last_boxed(plain)) is not None:
+        answer, rest = ((content, "") if parse_number(content) is not None
+                        else _leading_answer(content, whole=True))
+        return answer, plain[:start], rest + plain[start + len(_BOXED) + len(content) + 1:]
+    found = []  # (has a digit, priority, position, answer, rest, where the text after starts)
+    for priority, pattern in ((1, _ANSWER_IS), (0, _HASHES)):
+        for match in pattern.finditer(plain):
+            sentence = _SENTENCE_END.split(match[1], maxsplit=1)[0]
+            answer, rest = _leading_answer(sentence)
+            digit = any(c.isdigit() for c in answer)
+            found.append((digit, 0 if digit else priority, match.start(), answer, rest,
+                          match.start(1) + len(sentence)))
+    if not found:
+        return None
+    _, _, position, answer, rest, after = max(found)
+    return answer, plain[:position], rest + plain[after:]
+
+
+def _retracted(answer: str, after: str) -> bool:
+    """Whether a retraction follows a numeric `answer` and then only other numbers ("12.
+    Wait, actually it is 13."); a check that restates it ("Wait: 3 * 4 = 12") is none."""
+    value, retraction = parse_number(answer), _RETRACT.search(after)
+    if value is None or retraction is None:
+        return False
+    later = [parse_number(n) for n in _NUMBER.findall(after[retraction.end():])]
+    later = [n for n in later if n is not None]
+    return bool(later) and value not in later
+
+
 def final_answer(response: str) -> str | None:
-    """The final answer a response states: `\\boxed{}`, then "answer is X", "#### X",
-    then the last emphasised number ("**42**"), then the last number. Markdown emphasis
-    and LaTeX inline delimiters around an answer are ignored."""
-    if (boxed := last_boxed(response)) is not None:
-        return boxed
-    plain = strip_markup(response)
-    for pattern in (_ANSWER_IS, _HASHES):
-        if found := pattern.findall(plain):
-            return _leading_answer(found[-1])
-    if (bold := _bold_number(response)) is not None:
-        return bold
-    found = _NUMBER.findall(plain)
-    return found[-1] if found else None
+    """The final answer a response states: an explicit statement (the last `\\boxed{X}`,
+    else the last "answer is X" or "#### X"; see `_statement`), else the last emphasised
+    number ("**42**"), else the last number. A statement's answer is the number it starts
+    with, or ends on after "=" ("17 + 25 = 42"), unless that number starts an expression
+    ("12 + 5", "2^3", "12, 13"). None when the answer is offered as one of alternatives
+    ("12 or 13", "12, or maybe 13") or retracted ("12. Wait, it is 13."). Markdown
+    emphasis, LaTeX inline delimiters and LaTeX dress (`\\text{ cm}`, `\\%`, `\\left(`)
+    are ignored."""
+    plain = _undress(strip_markup(response))
+    found = _statement(plain) or _bold_number(_undress(response))
+    if found is None and (numbers := list(_NUMBER.finditer(plain))):
+        last = numbers[-1]
+        found = last[0], plain[:last.start()], plain[last.end():]
+    if found is None:
+        return None
+    answer, before, after = found
+    if _OR_BEFORE.search(before) or _OR_AFTER.match(after) or _retracted(answer, after):
+        return None
+    return answer
 
 
 def _last_line(response: str) -> str:
@@ -182,18 +267,23 @@ def numeric(response: str, answer: str, rel_tol: float | None = None,
 def math_final_answer(response: str, answer: str) -> float:
     """1.0 when the response's final answer equals the reference.
 
-    Numbers compare exactly as fractions (`0.5` == `1/2` == `\\frac{1}{2}`, `1,000` ==
-    `1000`); anything else compares as text without spaces, markup, `$` or a final period.
-    A reference that is not a number is also found as the last line of a response that
-    states no final answer ("dbga", "The word is **dbga**."): the whole line, or its last
-    words as many as the reference has.
+    The final answer is the one `final_answer` reads: a stated one (`\\boxed{}`, "answer
+    is", "####"), else the last number. A hedge ("12 or 13"), a retraction ("12. Wait, it
+    is 13.") or an expression where a number is expected ("12 + 5", "2\\sqrt{2}") earns
+    0.0. Numbers compare exactly as fractions (`0.5` == `1/2` == `\\frac{1}{2}`,
+    `1,000` == `1000`, `12.0` == `12`; `-5` != `5`), after any unit or `%` that follows
+    them ("12 cm", "\\boxed{50\\%}"); anything else compares as text without spaces,
+    markup, LaTeX dress (`\\text{}`), `$` or a final period. A reference that is not a
+    number is also found as the last line of a response that states no final answer
+    ("dbga", "The word is **dbga**."): the whole line, or its last words as many as the
+    reference has.
     """
+    answer = _undress(answer)
     expected = parse_number(answer)
     stated = final_answer(response)
     if stated is not None:
-        got = parse_number(stated)
-        if got is not None and expected is not None:
-            return 1.0 if got == expected else 0.0
+        if expected is not None:
+            return 1.0 if parse_number(stated) == expected else 0.0
         if _normalise(strip_markup(stated)) == _normalise(answer):
             return 1.0
     if expected is not None or _states_answer(response):
