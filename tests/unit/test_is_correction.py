@@ -120,3 +120,42 @@ def test_icepop_mode_drops_the_tokens_the_engines_disagree_on(tiny_policy):
     expected = (-adv * torch.tensor([[2 / 3, 0.0]]) * logp).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert metrics["is_masked_frac"].item() == pytest.approx(0.5)
+
+
+def _kl_config(enabled: bool):
+    return load_config("demo", [
+        "algo.aggregation=token", "algo.loss={kind: cispo}", "rollout.temperature=1.0",
+        "algo.advantages.norm=none", "algo.entropy_coef=0.0", "model.reference=initial",
+        "algo.kl={placement: loss, estimator: k2, importance_cap: 3.0}",
+        f"algo.is_correction.enabled={str(enabled).lower()}", "algo.is_correction.cap=2.0"])
+
+
+@pytest.mark.parametrize(("enabled", "mean_weight"), [(False, (0.25 + 3.0) / 2),
+                                                      (True, (0.25 + 2.0) / 2)])
+def test_kl_in_the_loss_is_weighted_to_the_trained_policy(enabled, mean_weight, tiny_policy):
+    """The tokens were sampled by the behaviour policy: weighted by pi_learner / pi_behaviour
+    (detached, capped), the KL term's expected gradient is the trained policy's. Behaviour =
+    learner + ln 4 on token 0 and - ln 4 on token 1 (weights 1/4 and 4, capped at
+    `importance_cap` 3, or at the correction's cap 2 when it is on); reference = learner -
+    ln 2 on both, so k2 = (ln 2)^2 / 2 on every token; advantages 0 leave the KL alone."""
+    policy = tiny_policy
+    table = _table(policy, [LN4, -LN4]).set_column(
+        5, "advantage", pa.array([0.0, 0.0])).drop(["ref_logprobs"])
+    batch = build_batch(table, pad_id=0)
+    with torch.no_grad():
+        learner = policy(batch.input_ids, batch.attention_mask, batch.response_start).logprobs
+    ref = learner - LN2
+    table = table.append_column("ref_logprobs", pa.array(ref.tolist(), pa.list_(pa.float32())))
+    loss, _, _ = compute_loss(_kl_config(enabled), policy, table, 0, beta=1.0)
+    assert loss.item() == pytest.approx(mean_weight * LN2 ** 2 / 2, rel=1e-5)
+
+    # the weight is a constant: the gradient is weight * (logp - ref) * grad logp
+    policy.zero_grad()
+    loss.backward()
+    got = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    logp = policy(batch.input_ids, batch.attention_mask, batch.response_start).logprobs
+    weights = torch.tensor([[0.25, 3.0 if not enabled else 2.0]])
+    (weights * 0.5 * (logp - ref).square()).mean().backward()
+    for g, p in zip(got, policy.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)

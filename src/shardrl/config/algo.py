@@ -142,6 +142,12 @@ class KLConfig(Section):
     the reference's mass: GRPO's choice) and k1's is 0 (refused)."""
     controller: KLController = FixedKL()
     """How beta is chosen."""
+    importance_cap: float = Field(2.0, gt=1.0, le=1000.0)
+    """In the loss: the samples come from the behaviour policy (a version or more behind,
+    and another engine), so each token's KL term is weighted by min(pi_learner /
+    pi_behaviour, cap), detached, to give the expected gradient named above for the policy
+    being trained. With `algo.is_correction.enabled` that correction's weight is used
+    instead, as for the policy loss."""
 
 
 class RewardShaping(Section):

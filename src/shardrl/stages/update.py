@@ -305,7 +305,11 @@ def compute_loss(cfg: RunConfig, policy: PolicyLogprobs, table: pa.Table, pad_id
         stats = kl_stats(kl_tok.detach(), mask)
         metrics["kl_sum"], metrics["kl_mean"] = stats.kl_sum.mean(), stats.kl_mean.mean()
         if algo.kl.placement == "loss":
-            loss = loss + beta * reduce(kl_tok)
+            # sampled by the behaviour policy: weighted by pi_learner / pi_behaviour (detached),
+            # the term's expected gradient is the trained policy's (`algo.kl.estimator`)
+            kl_w = weight if correction.enabled else truncated_is_weight(
+                learner_old, old, algo.kl.importance_cap)
+            loss = loss + beta * reduce(kl_tok * kl_w)
     entropy = masked_mean(out.entropy, mask) if share is None else (out.entropy * token_w).sum()
     metrics["entropy"] = entropy.detach()
     if algo.entropy_coef > 0:
