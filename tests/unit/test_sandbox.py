@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 
@@ -66,6 +67,14 @@ def signal_parent(response, answer):
 def signal_self(response, answer):
     os.kill(os.getpid(), 0)  # a probe of its own process: allowed
     return 1.0
+
+def keep_running_after_the_parent():
+    import ctypes
+    return float(ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # PR_SET_PDEATHSIG 0: refused, -1
+
+def uses_the_project():
+    from shardrl.tasks.sandbox import extract_code
+    return float(extract_code("x") == "x")
 
 def parent_environ():
     return open("/proc/%d/environ" % os.getppid(), "rb").read().decode(errors="replace")
@@ -427,7 +436,11 @@ def _walls() -> tuple[str, ...]:
     return run_python_snippet("pass", LIMITS).walls
 
 
-@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="seccomp table")
+def _needs(wall: str) -> None:
+    if wall not in _walls():
+        pytest.skip(f"no {wall} on this machine")
+
+
 @pytest.mark.parametrize("code", [
     # a fresh `posix` and `_signal` built through `_imp` carry none of the guard's patches
     "import _imp, importlib.machinery as m\n"
@@ -436,13 +449,47 @@ def _walls() -> tuple[str, ...]:
     "s.pidfd_send_signal(p.pidfd_open(p.getppid()), 0)",
     "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM)",
     "import socket\nsocket.socket(socket.AF_UNIX)",
+    # another process of the same user: its limits, scheduling and priority stay its own
+    "import resource\nresource.prlimit({victim}, resource.RLIMIT_NOFILE, (3, 3))",
+    "import resource\nresource.prlimit({victim}, resource.RLIMIT_CPU, (1, 1))",
+    "import os\nos.sched_setaffinity({victim}, {{0}})",
+    "import os\nos.sched_setscheduler({victim}, os.SCHED_IDLE, os.sched_param(0))",
+    "import os\nos.setpriority(os.PRIO_PROCESS, {victim}, 19)",
+    "import os\nos.setpriority(os.PRIO_PGRP, {victim}, 19)",
+    # a pipe's owner gets a signal on I/O: no other process may be named its owner
+    "import fcntl, os\nr, w = os.pipe()\nfcntl.fcntl(r, fcntl.F_SETOWN, {victim})",
 ])
 def test_the_kernel_refuses_what_gets_past_the_guard(code):
     """The audit hook is a guard inside the interpreter; the seccomp filter is the wall:
-    no signal by process descriptor, no socket, whatever reached the call."""
-    result = run_python_snippet(code, LIMITS)
-    assert "seccomp" in result.walls
-    assert result.error == "crashed: PermissionError: [Errno 1] Operation not permitted"
+    no signal by process descriptor or I/O owner, no socket, no hold on another process of
+    the same user, whatever reached the call."""
+    import subprocess
+
+    _needs("seccomp")
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a group of its own
+    try:
+        def state():
+            return (resource.prlimit(victim.pid, resource.RLIMIT_NOFILE),
+                    resource.prlimit(victim.pid, resource.RLIMIT_CPU),
+                    os.sched_getaffinity(victim.pid), os.sched_getscheduler(victim.pid),
+                    os.getpriority(os.PRIO_PROCESS, victim.pid))
+        before = state()
+        result = run_python_snippet(code.format(victim=victim.pid), LIMITS)
+        assert result.error == "crashed: PermissionError: [Errno 1] Operation not permitted"
+        assert state() == before
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_its_own_limits_and_devices_stay_out_of_reach(reward_module):
+    """It cannot lift the death signal that ties it to its parent, nor make a device node
+    (a child of root keeps no capability)."""
+    _needs("seccomp")
+    assert run_sandboxed_call(f"{reward_module}:keep_running_after_the_parent", [],
+                              LIMITS).value == -1.0
+    mknod = "import os, stat\nos.mknod('kmsg', stat.S_IFCHR | 0o600, os.makedev(1, 11))"
+    assert run_python_snippet(mknod, LIMITS).error.startswith("crashed: PermissionError")
 
 
 def test_threads_and_its_own_signals_still_work():
@@ -462,8 +509,7 @@ def test_threads_and_its_own_signals_still_work():
 def test_the_file_system_is_the_interpreters_and_the_calls_folder(code, path, tmp_path):
     """Landlock: the parent's environment (its credentials), other folders and files outside
     the call's folder are out of reach; the folder itself is the code's."""
-    if "landlock" not in _walls():
-        pytest.skip("this kernel offers no Landlock")
+    _needs("landlock")
     outside = tmp_path / "written-from-the-sandbox"
     result = run_python_snippet(code.format(outside=outside, folder=tmp_path), LIMITS)
     assert result.error.startswith("crashed: PermissionError: [Errno 13] Permission denied: ")
@@ -474,8 +520,7 @@ def test_the_file_system_is_the_interpreters_and_the_calls_folder(code, path, tm
 
 
 def test_a_sandboxed_verifier_cannot_read_its_parents_credentials(reward_module, monkeypatch):
-    if "landlock" not in _walls():
-        pytest.skip("this kernel offers no Landlock")
+    _needs("landlock")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
     result = run_sandboxed_call(f"{reward_module}:parent_environ", [], LIMITS)
     assert result.error.startswith("crashed: PermissionError: [Errno 13] Permission denied")
@@ -494,3 +539,29 @@ def test_a_missing_wall_is_said_once(caplog):
     assert len(said) == 2 and said[0].startswith("sandbox: no Landlock")
     assert said[1].startswith("sandbox: no seccomp")
     sandbox._unwalled.clear()
+
+
+def test_a_verifier_in_the_working_folder_reads_itself_not_its_neighbours(tmp_path,
+                                                                          monkeypatch):
+    """`python -m` or a notebook puts the working folder on the import path: a verifier
+    there is imported from it, but the folder's other files (credentials, the run's data)
+    stay unread, while the interpreter's files, harmless system files and packages
+    installed in editable mode can be."""
+    _needs("landlock")
+    (tmp_path / "secret.txt").write_text("hunter2")
+    (tmp_path / "cwd_reward.py").write_text(
+        "import getpass, mimetypes\n"
+        "def score(response, answer):\n"
+        "    assert mimetypes.guess_type('a.json')[0] == 'application/json' and getpass.getuser()\n"
+        "    return open('" + str(tmp_path / "secret.txt") + "').read()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    result = run_sandboxed_call("cwd_reward:score", ["", ""], LIMITS)
+    assert result.error == ("crashed: PermissionError: [Errno 13] Permission denied: "
+                            f"'{tmp_path / 'secret.txt'}'")
+    assert run_sandboxed_call("reward_fns_absent:score", [], LIMITS).error.startswith(
+        "crashed: ModuleNotFoundError")
+
+
+def test_a_verifier_may_import_the_project_itself(reward_module):
+    assert run_sandboxed_call(f"{reward_module}:uses_the_project", [], LIMITS).value == 1.0

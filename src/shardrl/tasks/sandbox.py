@@ -15,22 +15,29 @@ stdout and stderr through files the parent holds open, never by a name in the ch
 Failures never raise here: they come back as an error string, "timeout", "memory" or
 "crashed: ...".
 
-Since those limits hold per process, the child may not start another one. Two walls the
-kernel enforces come before any untrusted code, each where the kernel offers it (the result
-names those applied in `walls`, and a missing one is logged once per process):
-- a seccomp filter: no fork, exec or `clone` of a process (threads are allowed), no socket,
-  no ptrace or access to another process's memory, no signal to another process (also by
-  process descriptor), no io_uring, no new namespaces or keys;
+Since those limits hold per process, the child may not start another one, and since it runs
+as the scoring process's user, it must not touch that user's other processes or files. So
+before any untrusted code runs the child drops every capability (a child of root keeps
+none) and puts up two walls the kernel enforces, each where the kernel offers it (the
+result names those applied in `walls`; a missing one is logged once per process):
+- a seccomp filter: no fork, exec or `clone` of a process (threads are allowed, in no new
+  namespace), no socket, no ptrace or access to another process's memory; no signal to
+  another process (`kill`, by process descriptor, or as the owner of a file's I/O), no
+  change to another process's limits, scheduling or priority; no io_uring, namespaces,
+  keys, or lifting the death signal set below;
 - Landlock: of the file system the child reads only the interpreter, the system's
-  libraries and the import path, and writes only the call's own folder (the parent's
-  `/proc/<pid>/environ` and the user's home are out of reach, unless on the import path);
-  from Linux 6.7 no TCP, from 6.12 no signal or abstract socket beyond the child.
-An audit hook inside the interpreter refuses the same things first, with a clearer error:
-fork, exec, spawn, `os.system`, `subprocess` and signals to other processes (a sandboxed
+  libraries, a few harmless files of /etc and the import path (in a call, without the
+  scoring process's working folder: the target's own module or package only), and writes
+  only the call's own folder, where it makes no device node; the parent's
+  `/proc/<pid>/environ` and the user's home are out of reach. From Linux 6.7 no TCP, from
+  6.12 no signal or abstract socket beyond the child.
+An audit hook inside the interpreter refuses some of the same first, with a clearer error:
+fork, exec, spawn, `os.system`, `subprocess` and `os.kill` to other processes (a sandboxed
 verifier that must run a program runs unsandboxed, under limits of its own); a snippet
 (`run_python_snippet`, model output) may not load native code either (`ctypes`,
 `_posixsubprocess`). Without the walls (another kernel, or a container that refuses their
-calls) that guard is all there is, and native code can go around it.
+calls) that guard is all there is, and native code can go around it: the child can then
+read and write what the user can, and reach the user's other processes.
 
 Code that a verifier executes in its own process can forge that process's result;
 `run_python_snippet` avoids this by judging only the snippet's stdout in the parent.
@@ -89,14 +96,18 @@ def _start():
 
 def _walls(req, ctypes):
     # Limits the kernel enforces, out of reach of anything the code does in Python or in
-    # native code: Landlock (the file system: read the interpreter, its libraries and the
-    # import path, write only the call's folder; no TCP; no signal or abstract socket
-    # beyond this process) and a seccomp filter (no new program or process, no socket, no
-    # ptrace, no io_uring, no namespaces). Each is applied where the kernel offers it; the
-    # names of those applied go back with the result.
+    # native code: no capabilities (a child of root keeps none), Landlock (the file system:
+    # read the interpreter, its libraries and the import path, write only the call's
+    # folder; no TCP; no signal or abstract socket beyond this process) and a seccomp
+    # filter (no new process or program, no socket, no hold on another process). Each is
+    # applied where the kernel offers it; the names of those applied go back with the result.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: required by both
+    class CapHeader(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    no_caps = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; two words each
+    libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), no_caps)  # version 3
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: required by both walls
         return []
     applied = []
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(.., VERSION)
@@ -111,6 +122,7 @@ def _landlock(req, ctypes, libc, abi):
         1 << 15 if abi >= 5 else 0)
     read_file, read_dir, write_file = 1 << 2, 1 << 3, 1 << 1
     truncate = 1 << 14 if abi >= 3 else 0
+    devices = 1 << 6 | 1 << 11  # character and block device nodes: never made
     class Ruleset(ctypes.Structure):
         _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64),
                     ("scoped", ctypes.c_uint64)]
@@ -125,10 +137,14 @@ def _landlock(req, ctypes, libc, abi):
     try:
         reads = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                  *sys.path, *req["read_paths"], "/usr", "/lib", "/lib64", "/etc/ld.so.cache",
-                 "/etc/localtime", "/dev/urandom", "/proc/cpuinfo", "/proc/meminfo",
-                 "/sys/devices/system/cpu", "/proc/self"]
+                 "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
+                 "/etc/hosts", "/etc/host.conf", "/etc/mime.types", "/etc/os-release",
+                 "/etc/ssl", "/dev/urandom", "/proc/cpuinfo", "/proc/meminfo",
+                 "/sys/devices/system/cpu", "/proc/self/stat", "/proc/self/statm",
+                 "/proc/self/status", "/proc/self/fd"]
         grants = [(os.path.realpath(p), read_file | read_dir) for p in reads if p] + [
-            ("/dev/null", read_file | write_file | truncate), (os.getcwd(), every)]
+            (os.path.realpath(p), read_dir) for p in req["list_paths"]] + [
+            ("/dev/null", read_file | write_file | truncate), (os.getcwd(), every & ~devices)]
         for path, access in grants:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -138,7 +154,8 @@ def _landlock(req, ctypes, libc, abi):
             try:
                 if not os.path.isdir(path):
                     access &= ~read_dir
-                added = libc.syscall(445, rules, 1, ctypes.byref(Beneath(access, fd)), 0)
+                added = libc.syscall(445, rules, 1, ctypes.byref(Beneath(access, fd)), 0) \
+                    if access else 0
             finally:
                 os.close(fd)
         # the call's own folder last: without it the code could write nowhere
@@ -147,45 +164,74 @@ def _landlock(req, ctypes, libc, abi):
         os.close(rules)
 
 def _seccomp(req, ctypes, libc):
-    machine = os.uname().machine
-    # (audit arch, clone, kill, tgkill, refused with EPERM); clone3 gets ENOSYS, so that the
-    # C library starts threads through clone, where the flags can be read
-    table = {
-        "x86_64": (0xC000003E, 56, 62, 234, (
-            57, 58, 59, 322,  # fork, vfork, execve, execveat
-            101, 310, 311,  # ptrace, process_vm_readv/writev
-            41,  # socket
-            200, 129, 297, 424, 434, 438,  # tkill, rt_(tg)sigqueueinfo, pidfd_*
-            425, 426, 427,  # io_uring_*
-            272, 308, 165, 321, 298, 323, 248, 249, 250, 135)),  # unshare ... personality
-        "aarch64": (0xC00000B7, 220, 129, 131, (
-            221, 281, 117, 270, 271, 198, 130, 138, 240, 424, 434, 438, 425, 426, 427,
-            97, 268, 40, 280, 241, 282, 217, 218, 219, 92)),
-    }.get(machine)
-    if table is None:
+    # per machine: (audit arch, {name: number}); names outside the table are allowed
+    arch, nr = {
+        "x86_64": (0xC000003E, dict(
+            clone=56, clone3=435, kill=62, tgkill=234, prlimit64=302, sched_setparam=142,
+            sched_setscheduler=144, sched_setaffinity=203, sched_setattr=314, fcntl=72,
+            ioctl=16, prctl=157, fork=57, vfork=58, execve=59, execveat=322, ptrace=101,
+            process_vm_readv=310, process_vm_writev=311, socket=41, tkill=200,
+            rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, pidfd_send_signal=424,
+            pidfd_open=434, pidfd_getfd=438, io_uring_setup=425, io_uring_enter=426,
+            io_uring_register=427, unshare=272, setns=308, mount=165, bpf=321,
+            perf_event_open=298, userfaultfd=323, add_key=248, request_key=249, keyctl=250,
+            personality=135, setpriority=141, ioprio_set=251, migrate_pages=256,
+            move_pages=279, kcmp=312, process_madvise=440, syslog=103)),
+        "aarch64": (0xC00000B7, dict(
+            clone=220, clone3=435, kill=129, tgkill=131, prlimit64=261, sched_setparam=118,
+            sched_setscheduler=119, sched_setaffinity=122, sched_setattr=274, fcntl=25,
+            ioctl=29, prctl=167, execve=221, execveat=281, ptrace=117, process_vm_readv=270,
+            process_vm_writev=271, socket=198, tkill=130, rt_sigqueueinfo=138,
+            rt_tgsigqueueinfo=240, pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438,
+            io_uring_setup=425, io_uring_enter=426, io_uring_register=427, unshare=97,
+            setns=268, mount=40, bpf=280, perf_event_open=241, userfaultfd=282, add_key=217,
+            request_key=218, keyctl=219, personality=92, setpriority=140, ioprio_set=30,
+            migrate_pages=238, move_pages=239, kcmp=272, process_madvise=440, syslog=116)),
+    }.get(os.uname().machine, (None, None))
+    if arch is None:
         return False
-    arch, clone, kill, tgkill, refused = table
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
     ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
-    own = os.getpid()
+    own, special = os.getpid(), {"clone", "clone3", "kill", "tgkill", "prlimit64", "fcntl",
+                                 "ioctl", "prctl"} | {n for n in nr if n.startswith("sched_")}
+
+    def arg(i):  # the low 32 bits of argument i (little-endian)
+        return (ld, 0, 0, 16 + 8 * i)
+
+    def only(name, i, values):  # allowed when argument i is one of `values`
+        n = len(values)
+        return [(jeq, 0, n + 3, nr[name]), arg(i), *[(jeq, n - k, 0, v & 0xFFFFFFFF)
+                for k, v in enumerate(values)], (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+
+    def never(name, i, values):  # refused when argument i is one of `values`
+        n = len(values)
+        return [(jeq, 0, n + 3, nr[name]), arg(i), *[(jeq, n - k, 0, v & 0xFFFFFFFF)
+                for k, v in enumerate(values)], (ret, 0, 0, allow), (ret, 0, 0, eperm)]
+
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),  # another ABI: killed
             (ld, 0, 0, 0)]
-    if machine == "x86_64":  # the x32 ABI's numbers
+    if arch == 0xC000003E:  # the x32 ABI's numbers
         prog += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
-    for nr in refused:
-        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
-    prog += [(jeq, 0, 1, 435), (ret, 0, 0, enosys),
-             # kill: this process, its own group (a session of its own) or 0
-             (jeq, 0, 6, kill), (ld, 0, 0, 16), (jeq, 3, 0, own),
-             (jeq, 2, 0, -own & 0xFFFFFFFF), (jeq, 1, 0, 0), (ret, 0, 0, eperm),
-             (ret, 0, 0, allow),
-             # tgkill: a thread of this process
-             (jeq, 0, 4, tgkill), (ld, 0, 0, 16), (jeq, 1, 0, own), (ret, 0, 0, eperm),
-             (ret, 0, 0, allow),
-             # clone: a thread (CLONE_THREAD), never a process
-             (jeq, 0, 4, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000), (ret, 0, 0, eperm),
-             (ret, 0, 0, allow),
-             (ret, 0, 0, allow)]
+    for name in sorted(set(nr) - special):
+        prog += [(jeq, 0, 1, nr[name]), (ret, 0, 0, eperm)]
+    prog += [(jeq, 0, 1, nr["clone3"]), (ret, 0, 0, enosys)]  # the C library falls back to clone
+    # each block returns once its syscall matched, and leaves the number loaded otherwise
+    blocks = [
+        only("kill", 0, [own, -own, 0]),  # this process, its own group (its session's), or 0
+        only("tgkill", 0, [own]),  # a thread of this process
+        *[only(name, 0, [0, own]) for name in sorted(special) if name.startswith("sched_")],
+        only("prlimit64", 0, [0, own]),  # its own limits only
+        never("fcntl", 1, [8, 15]),  # F_SETOWN(_EX): a signal to another process on I/O
+        never("ioctl", 1, [0x8901, 0x8902]),  # FIOSETOWN, SIOCSPGRP: the same
+        never("prctl", 0, [1]),  # PR_SET_PDEATHSIG: it dies with its parent
+        # clone: a thread (CLONE_THREAD) in no new namespace, never a process
+        [(jeq, 0, 5, nr["clone"]), arg(0), (jset, 1, 0, 0x7E020080), (jset, 1, 0, 0x10000),
+         (ret, 0, 0, eperm), (ret, 0, 0, allow)],
+    ]
+    for block in blocks:
+        prog += block
+    prog += [(ret, 0, 0, allow)]
+
     class Insn(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
                     ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
@@ -316,19 +362,26 @@ def _parent_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
 
-def _import_roots(target: str) -> list[str]:
-    """What a sandboxed call may read besides the interpreter: the parent's import path and
-    the folder its target's top-level package comes from (an editable install's package is
-    on no path entry). Found without importing the package."""
-    top = target.partition(":")[0].partition(".")[0]
+def _import_roots(target: str) -> tuple[list[str], list[str]]:
+    """(what a sandboxed call may read, folders it may only list) besides the interpreter:
+    the parent's import path but its working folder (where `python -m` and a notebook
+    import from, which may hold anything), the packages installed in editable mode, and
+    the module or package of its target, whose folder it may list, as an import does, but
+    not read. Found without importing the target."""
+    cwd = os.getcwd()
+    reads = [p for p in _parent_sys_path() if p != cwd]
+    for finder in sys.meta_path:  # setuptools' editable installs: package name -> folder
+        mapping = getattr(sys.modules.get(getattr(finder, "__module__", "")), "MAPPING", None)
+        if isinstance(mapping, dict):
+            reads += [p for p in mapping.values() if isinstance(p, str)]
     try:
-        spec = importlib.util.find_spec(top)
+        spec = importlib.util.find_spec(target.partition(":")[0].partition(".")[0])
     except (ImportError, ValueError):
         spec = None
-    found = list(spec.submodule_search_locations or []) if spec else []
-    if spec and spec.origin and not found:
-        found.append(spec.origin)
-    return _parent_sys_path() + [os.path.dirname(p) for p in found]
+    own = list(spec.submodule_search_locations or []) if spec else []
+    if spec and not own and spec.origin and os.path.isabs(spec.origin):
+        own.append(spec.origin)
+    return reads + own, [os.path.dirname(p) for p in own]
 
 
 WALLS = ("landlock", "seccomp")
@@ -518,15 +571,19 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
 def run_sandboxed_call(target: str, args: list[Any], limits: SandboxLimits) -> SandboxResult:
     """Call `package.module:function(*args)` in the sandbox; args and result go as JSON.
 
-    The child sees the parent's `sys.path`, so whatever the parent can import it can too.
+    The child sees the parent's `sys.path`, so whatever the parent can import it can too,
+    but from the parent's working folder only the target's own module or package
+    (`_import_roots`).
     """
+    reads, lists = _import_roots(target)
     return _run({"mode": "call", "target": target, "args": args, "sys_path": _parent_sys_path(),
-                 "read_paths": _import_roots(target)}, limits)
+                 "read_paths": reads, "list_paths": lists}, limits)
 
 
 def run_python_snippet(code: str, limits: SandboxLimits) -> SandboxResult:
     """Execute Python source as `__main__` in the sandbox and capture its stdout."""
-    return _run({"mode": "snippet", "code": code, "sys_path": [], "read_paths": []}, limits)
+    return _run({"mode": "snippet", "code": code, "sys_path": [], "read_paths": [],
+                 "list_paths": []}, limits)
 
 
 def sandboxed_verifier(dotted_path: str, limits: SandboxLimits):
