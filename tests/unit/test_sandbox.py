@@ -72,6 +72,15 @@ def keep_running_after_the_parent():
     import ctypes
     return float(ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # PR_SET_PDEATHSIG 0: refused, -1
 
+def system_v_memory():
+    import ctypes
+    libc = ctypes.CDLL(None)
+    made = [libc.shmget(0, 1 << 20, 0o1600), libc.msgget(0, 0o1600), libc.semget(0, 1, 0o1600)]
+    for remove, ident in zip((libc.shmctl, libc.msgctl, libc.semctl), made):
+        if ident >= 0:  # made after all: removed (IPC_RMID), so that no failed run leaves it
+            remove(ident, 0, None)
+    return made
+
 def uses_the_project():
     from shardrl.tasks.sandbox import extract_code
     return float(extract_code("x") == "x")
@@ -458,6 +467,9 @@ def _needs(wall: str) -> None:
     "import os\nos.setpriority(os.PRIO_PGRP, {victim}, 19)",
     # a pipe's owner gets a signal on I/O: no other process may be named its owner
     "import fcntl, os\nr, w = os.pipe()\nfcntl.fcntl(r, fcntl.F_SETOWN, {victim})",
+    # a lease holds up others' opens of the file; a datagram reaches any named socket
+    "import fcntl\nf = open('x', 'w')\nfcntl.fcntl(f, fcntl.F_SETLEASE, fcntl.F_WRLCK)",
+    "import socket\nsocket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)",
 ])
 def test_the_kernel_refuses_what_gets_past_the_guard(code):
     """The audit hook is a guard inside the interpreter; the seccomp filter is the wall:
@@ -536,8 +548,8 @@ def test_a_missing_wall_is_said_once(caplog):
         sandbox._note_walls(())
         sandbox._note_walls(())
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2 and said[0].startswith("sandbox: no Landlock")
-    assert said[1].startswith("sandbox: no seccomp")
+    assert len(said) == 3 and said[0].startswith("sandbox: the sandbox's child could not drop")
+    assert said[1].startswith("sandbox: no Landlock") and said[2].startswith("sandbox: no seccomp")
     sandbox._unwalled.clear()
 
 
@@ -555,7 +567,8 @@ def test_a_verifier_in_the_working_folder_reads_itself_not_its_neighbours(tmp_pa
         "    assert mimetypes.guess_type('a.json')[0] == 'application/json' and getpass.getuser()\n"
         "    return open('" + str(tmp_path / "secret.txt") + "').read()\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    # the folder as `python -m` names it, and a folder above it as a `.pth` could
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path.parent), *sys.path])
     result = run_sandboxed_call("cwd_reward:score", ["", ""], LIMITS)
     assert result.error == ("crashed: PermissionError: [Errno 13] Permission denied: "
                             f"'{tmp_path / 'secret.txt'}'")
@@ -565,3 +578,42 @@ def test_a_verifier_in_the_working_folder_reads_itself_not_its_neighbours(tmp_pa
 
 def test_a_verifier_may_import_the_project_itself(reward_module):
     assert run_sandboxed_call(f"{reward_module}:uses_the_project", [], LIMITS).value == 1.0
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.chmod('{victim}', 0o4777)",
+    "import os\nos.utime('{victim}', (0, 0))",
+    "import os\nos.setxattr('{victim}', 'user.mark', b'1')",
+    "import os\nos.truncate('{victim}', 0)",
+    "import os\nf = open('mine', 'w')\nos.fchmod(f.fileno(), 0o4777)",
+])
+def test_files_it_cannot_write_keep_their_bytes_modes_and_times(code, tmp_path):
+    """Landlock guards a file's bytes, not its metadata (nor, before Linux 6.2, truncation
+    by name): modes, owners, times and attributes stay the filter's to refuse, also for
+    files in its own folder (a mode set there could outlive it)."""
+    _needs("seccomp")
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    os.chmod(victim, 0o640)
+    before = victim.stat()
+    result = run_python_snippet(code.format(victim=victim), LIMITS)
+    assert result.error.startswith("crashed: PermissionError: [Errno 1] Operation not permitted")
+    after = victim.stat()
+    assert (after.st_mode, after.st_mtime_ns, after.st_size, victim.read_text()) == (
+        before.st_mode, before.st_mtime_ns, before.st_size, "kept")
+
+
+def test_what_ordinary_code_needs_still_works(reward_module):
+    """Its own priority, a stream socket pair (asyncio's wake-up pipe), and the capabilities
+    dropped."""
+    code = ("import os, socket\nos.nice(1)\na, b = socket.socketpair()\na.send(b'ran')\n"
+            "print(b.recv(3).decode())")
+    result = run_python_snippet(code, LIMITS)
+    assert (result.error, result.stdout) == (None, "ran\n")
+    assert set(result.walls) >= {"capabilities"}
+    assert run_sandboxed_call(f"{reward_module}:good", ["a", "a"], LIMITS).walls == result.walls
+
+
+def test_no_system_v_memory_outlives_the_child(reward_module):
+    _needs("seccomp")
+    assert run_sandboxed_call(f"{reward_module}:system_v_memory", [], LIMITS).value == [-1] * 3

@@ -19,25 +19,28 @@ Since those limits hold per process, the child may not start another one, and si
 as the scoring process's user, it must not touch that user's other processes or files. So
 before any untrusted code runs the child drops every capability (a child of root keeps
 none) and puts up two walls the kernel enforces, each where the kernel offers it (the
-result names those applied in `walls`; a missing one is logged once per process):
+result names in `walls` what was applied: "capabilities", "landlock", "seccomp"; a missing
+one is logged once per process):
 - a seccomp filter: no fork, exec or `clone` of a process (threads are allowed, in no new
-  namespace), no socket, no ptrace or access to another process's memory; no signal to
-  another process (`kill`, by process descriptor, or as the owner of a file's I/O), no
-  change to another process's limits, scheduling or priority; no io_uring, namespaces,
-  keys, or lifting the death signal set below;
+  namespace), no socket but a connected pair of stream sockets, no ptrace or access to
+  another process's memory; no signal to another process (`kill`, by process descriptor, or
+  as the owner of a file's I/O), no change to another process's limits, scheduling or
+  priority; no change to any file's mode, owner, times or attributes, no truncation by
+  name, no System V or POSIX IPC, no file leases or watches; no io_uring, namespaces, keys,
+  or lifting the death signal set below;
 - Landlock: of the file system the child reads only the interpreter, the system's
-  libraries, a few harmless files of /etc and the import path (in a call, without the
-  scoring process's working folder: the target's own module or package only), and writes
-  only the call's own folder, where it makes no device node; the parent's
-  `/proc/<pid>/environ` and the user's home are out of reach. From Linux 6.7 no TCP, from
-  6.12 no signal or abstract socket beyond the child.
-An audit hook inside the interpreter refuses some of the same first, with a clearer error:
-fork, exec, spawn, `os.system`, `subprocess` and `os.kill` to other processes (a sandboxed
-verifier that must run a program runs unsandboxed, under limits of its own); a snippet
-(`run_python_snippet`, model output) may not load native code either (`ctypes`,
-`_posixsubprocess`). Without the walls (another kernel, or a container that refuses their
-calls) that guard is all there is, and native code can go around it: the child can then
-read and write what the user can, and reach the user's other processes.
+  libraries, a few harmless files of /etc and the import path, less the scoring process's
+  working folder and any folder above it (in a call, its target's own module or package is
+  read there, from its file), and writes only the call's own folder, where it makes no
+  device node; the parent's `/proc/<pid>/environ` and the user's home are out of reach.
+  From Linux 6.7 no TCP, from 6.12 no signal or abstract socket beyond the child.
+An audit hook inside the interpreter refuses processes, programs and `os.kill` to other
+processes first, with a clearer error (a sandboxed verifier that must run a program runs
+unsandboxed, under limits of its own); a snippet (`run_python_snippet`, model output) may
+not load native code either (`ctypes`, `_posixsubprocess`). Without the walls (another
+kernel, or a container that refuses their calls) that guard is all there is, and native
+code can go around it: the child can then read and write what the user can, and reach the
+user's other processes.
 
 Code that a verifier executes in its own process can forge that process's result;
 `run_python_snippet` avoids this by judging only the snippet's stdout in the parent.
@@ -107,9 +110,11 @@ def _walls(req, ctypes):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
     no_caps = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; two words each
     libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), no_caps)  # version 3
+    with open("/proc/self/status") as fh:  # what it holds now, whatever capset answered
+        held = [ln.split()[1] for ln in fh if ln.startswith(("CapEff:", "CapPrm:"))]
+    applied = ["capabilities"] if held and all(int(c, 16) == 0 for c in held) else []
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: required by both walls
-        return []
-    applied = []
+        return applied
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(.., VERSION)
     if abi >= 1 and _landlock(req, ctypes, libc, abi):
         applied.append("landlock")
@@ -135,15 +140,19 @@ def _landlock(req, ctypes, libc, abi):
     if rules < 0:
         return False
     try:
-        reads = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                 *sys.path, *req["read_paths"], "/usr", "/lib", "/lib64", "/etc/ld.so.cache",
-                 "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
-                 "/etc/hosts", "/etc/host.conf", "/etc/mime.types", "/etc/os-release",
-                 "/etc/ssl", "/dev/urandom", "/proc/cpuinfo", "/proc/meminfo",
-                 "/sys/devices/system/cpu", "/proc/self/stat", "/proc/self/statm",
-                 "/proc/self/status", "/proc/self/fd"]
-        grants = [(os.path.realpath(p), read_file | read_dir) for p in reads if p] + [
-            (os.path.realpath(p), read_dir) for p in req["list_paths"]] + [
+        # the import path, but never the scoring process's working folder nor one above it
+        # (`python -m`, a notebook or a `.pth` may name the project's root, which holds
+        # anything: a call's target there is granted by itself, in `read_paths`)
+        cwd = req["cwd"]
+        entries = {os.path.realpath(p) for p in [*sys.path, *req["read_paths"]] if p}
+        reads = [p for p in entries if p != cwd and not cwd.startswith(p.rstrip("/") + "/")]
+        reads += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr",
+                  "/lib", "/lib64", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
+                  "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/host.conf",
+                  "/etc/mime.types", "/etc/os-release", "/etc/ssl", "/dev/urandom",
+                  "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu",
+                  "/proc/self/stat", "/proc/self/statm", "/proc/self/status", "/proc/self/fd"]
+        grants = [(os.path.realpath(p), read_file | read_dir) for p in sorted(set(reads))] + [
             ("/dev/null", read_file | write_file | truncate), (os.getcwd(), every & ~devices)]
         for path, access in grants:
             try:
@@ -169,31 +178,52 @@ def _seccomp(req, ctypes, libc):
         "x86_64": (0xC000003E, dict(
             clone=56, clone3=435, kill=62, tgkill=234, prlimit64=302, sched_setparam=142,
             sched_setscheduler=144, sched_setaffinity=203, sched_setattr=314, fcntl=72,
-            ioctl=16, prctl=157, fork=57, vfork=58, execve=59, execveat=322, ptrace=101,
-            process_vm_readv=310, process_vm_writev=311, socket=41, tkill=200,
-            rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, pidfd_send_signal=424,
-            pidfd_open=434, pidfd_getfd=438, io_uring_setup=425, io_uring_enter=426,
-            io_uring_register=427, unshare=272, setns=308, mount=165, bpf=321,
-            perf_event_open=298, userfaultfd=323, add_key=248, request_key=249, keyctl=250,
-            personality=135, setpriority=141, ioprio_set=251, migrate_pages=256,
-            move_pages=279, kcmp=312, process_madvise=440, syslog=103)),
+            ioctl=16, prctl=157, setpriority=141, socketpair=53,
+            fork=57, vfork=58, execve=59, execveat=322, ptrace=101, process_vm_readv=310,
+            process_vm_writev=311, socket=41, tkill=200, rt_sigqueueinfo=129,
+            rt_tgsigqueueinfo=297, pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438,
+            io_uring_setup=425, io_uring_enter=426, io_uring_register=427, unshare=272,
+            setns=308, mount=165, bpf=321, perf_event_open=298, userfaultfd=323, add_key=248,
+            request_key=249, keyctl=250, personality=135, ioprio_set=251, migrate_pages=256,
+            move_pages=279, kcmp=312, process_madvise=440, syslog=103, get_robust_list=274,
+            # metadata of files Landlock lets it read or not see: modes, owners, times,
+            # attributes; and truncating by name (Landlock refuses it only from Linux 6.2)
+            chmod=90, fchmod=91, fchmodat=268, fchmodat2=452, chown=92, fchown=93,
+            lchown=94, fchownat=260, utime=132, utimes=235, futimesat=261, utimensat=280,
+            setxattr=188, lsetxattr=189, fsetxattr=190, removexattr=197, lremovexattr=198,
+            fremovexattr=199, setxattrat=463, removexattrat=466, truncate=76,
+            # System V and POSIX IPC: other processes' shared memory, queues and
+            # semaphores, and memory that outlives the child
+            shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65, semctl=66,
+            semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240,
+            mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
+            mq_getsetattr=245, inotify_add_watch=254, fanotify_init=300, fanotify_mark=301)),
         "aarch64": (0xC00000B7, dict(
             clone=220, clone3=435, kill=129, tgkill=131, prlimit64=261, sched_setparam=118,
             sched_setscheduler=119, sched_setaffinity=122, sched_setattr=274, fcntl=25,
-            ioctl=29, prctl=167, execve=221, execveat=281, ptrace=117, process_vm_readv=270,
-            process_vm_writev=271, socket=198, tkill=130, rt_sigqueueinfo=138,
-            rt_tgsigqueueinfo=240, pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438,
-            io_uring_setup=425, io_uring_enter=426, io_uring_register=427, unshare=97,
-            setns=268, mount=40, bpf=280, perf_event_open=241, userfaultfd=282, add_key=217,
-            request_key=218, keyctl=219, personality=92, setpriority=140, ioprio_set=30,
-            migrate_pages=238, move_pages=239, kcmp=272, process_madvise=440, syslog=116)),
+            ioctl=29, prctl=167, setpriority=140, socketpair=199,
+            execve=221, execveat=281, ptrace=117, process_vm_readv=270, process_vm_writev=271,
+            socket=198, tkill=130, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240,
+            pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438, io_uring_setup=425,
+            io_uring_enter=426, io_uring_register=427, unshare=97, setns=268, mount=40,
+            bpf=280, perf_event_open=241, userfaultfd=282, add_key=217, request_key=218,
+            keyctl=219, personality=92, ioprio_set=30, migrate_pages=238, move_pages=239,
+            kcmp=272, process_madvise=440, syslog=116, get_robust_list=100,
+            fchmod=52, fchmodat=53, fchmodat2=452, fchownat=54, fchown=55, utimensat=88,
+            setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15,
+            fremovexattr=16, setxattrat=463, removexattrat=466, truncate=45,
+            mq_open=180, mq_unlink=181, mq_timedsend=182, mq_timedreceive=183,
+            mq_notify=184, mq_getsetattr=185, msgget=186, msgctl=187, msgrcv=188, msgsnd=189,
+            semget=190, semctl=191, semtimedop=192, semop=193, shmget=194, shmctl=195,
+            shmat=196, shmdt=197, inotify_add_watch=27, fanotify_init=262, fanotify_mark=263)),
     }.get(os.uname().machine, (None, None))
     if arch is None:
         return False
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
     ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
     own, special = os.getpid(), {"clone", "clone3", "kill", "tgkill", "prlimit64", "fcntl",
-                                 "ioctl", "prctl"} | {n for n in nr if n.startswith("sched_")}
+                                 "ioctl", "prctl", "setpriority", "socketpair"} | {
+        n for n in nr if n.startswith("sched_")}
 
     def arg(i):  # the low 32 bits of argument i (little-endian)
         return (ld, 0, 0, 16 + 8 * i)
@@ -208,6 +238,14 @@ def _seccomp(req, ctypes, libc):
         return [(jeq, 0, n + 3, nr[name]), arg(i), *[(jeq, n - k, 0, v & 0xFFFFFFFF)
                 for k, v in enumerate(values)], (ret, 0, 0, allow), (ret, 0, 0, eperm)]
 
+    def both(name, i, first, j, values, mask=None):  # argument i is `first`, j one of `values`
+        n = len(values)
+        tail = [*([(0x54, 0, 0, mask)] if mask else []),  # j & mask
+                *[(jeq, n - k, 0, v & 0xFFFFFFFF) for k, v in enumerate(values)],
+                (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+        return [(jeq, 0, 3 + len(tail), nr[name]), arg(i), (jeq, 0, len(tail) - 1, first),
+                arg(j), *tail]
+
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),  # another ABI: killed
             (ld, 0, 0, 0)]
     if arch == 0xC000003E:  # the x32 ABI's numbers
@@ -221,9 +259,17 @@ def _seccomp(req, ctypes, libc):
         only("tgkill", 0, [own]),  # a thread of this process
         *[only(name, 0, [0, own]) for name in sorted(special) if name.startswith("sched_")],
         only("prlimit64", 0, [0, own]),  # its own limits only
-        never("fcntl", 1, [8, 15]),  # F_SETOWN(_EX): a signal to another process on I/O
-        never("ioctl", 1, [0x8901, 0x8902]),  # FIOSETOWN, SIOCSPGRP: the same
-        never("prctl", 0, [1]),  # PR_SET_PDEATHSIG: it dies with its parent
+        # its own priority only (PRIO_PROCESS): os.nice
+        both("setpriority", 0, 0, 1, [0, own]),
+        # a connected pair of stream sockets (asyncio's wake-up pipe), which can address
+        # nothing: AF_UNIX, SOCK_STREAM
+        both("socketpair", 0, 1, 1, [1], mask=0xF),
+        # F_SETOWN(_EX): a signal to another process on I/O; F_SETLEASE: other processes'
+        # opens of the file held up
+        never("fcntl", 1, [8, 15, 1024]),
+        never("ioctl", 1, [0x8901, 0x8902]),  # FIOSETOWN, SIOCSPGRP: as F_SETOWN
+        # PR_SET_PDEATHSIG: it dies with its parent; PR_SCHED_CORE: other processes' cores
+        never("prctl", 0, [1, 62]),
         # clone: a thread (CLONE_THREAD) in no new namespace, never a process
         [(jeq, 0, 5, nr["clone"]), arg(0), (jset, 1, 0, 0x7E020080), (jset, 1, 0, 0x10000),
          (ret, 0, 0, eperm), (ret, 0, 0, allow)],
@@ -302,7 +348,14 @@ def _main(req, fd):
             value = None
         else:
             import importlib
+            import importlib.util
             module, _, attr = req["target"].partition(":")
+            if req["top"]:  # from its file: its folder need not be listed
+                name, origin, folders = req["top"]
+                spec = importlib.util.spec_from_file_location(
+                    name, origin, submodule_search_locations=folders)
+                sys.modules[name] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(sys.modules[name])
             fn = importlib.import_module(module)
             for part in attr.split("."):
                 fn = getattr(fn, part)
@@ -362,29 +415,30 @@ def _parent_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
 
-def _import_roots(target: str) -> tuple[list[str], list[str]]:
-    """(what a sandboxed call may read, folders it may only list) besides the interpreter:
-    the parent's import path but its working folder (where `python -m` and a notebook
-    import from, which may hold anything), the packages installed in editable mode, and
-    the module or package of its target, whose folder it may list, as an import does, but
-    not read. Found without importing the target."""
-    cwd = os.getcwd()
-    reads = [p for p in _parent_sys_path() if p != cwd]
+def _import_roots(target: str) -> tuple[list[str], list | None]:
+    """(what a sandboxed call may read besides the interpreter, how to load its target's
+    top-level module): the parent's import path (the child leaves out its working folder
+    and any folder above it), the packages installed in editable mode, and the target's own
+    module or package, which the child loads from its file (`[name, file, package folders
+    or None]`), so that nothing else of the folder it lies in need be readable or listed.
+    Found without importing the target."""
+    reads = _parent_sys_path()
     for finder in sys.meta_path:  # setuptools' editable installs: package name -> folder
         mapping = getattr(sys.modules.get(getattr(finder, "__module__", "")), "MAPPING", None)
         if isinstance(mapping, dict):
             reads += [p for p in mapping.values() if isinstance(p, str)]
+    name = target.partition(":")[0].partition(".")[0]
     try:
-        spec = importlib.util.find_spec(target.partition(":")[0].partition(".")[0])
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         spec = None
-    own = list(spec.submodule_search_locations or []) if spec else []
-    if spec and not own and spec.origin and os.path.isabs(spec.origin):
-        own.append(spec.origin)
-    return reads + own, [os.path.dirname(p) for p in own]
+    if spec is None or not spec.origin or not os.path.isabs(spec.origin):
+        return reads, None  # not found (the child says so), built in, or a namespace
+    folders = list(spec.submodule_search_locations or []) or None
+    return reads + (folders or [spec.origin]), [name, spec.origin, folders]
 
 
-WALLS = ("landlock", "seccomp")
+WALLS = ("capabilities", "landlock", "seccomp")
 _unwalled: set[str] = set()
 
 
@@ -398,6 +452,8 @@ def _note_walls(walls: tuple[str, ...]) -> None:
 
 
 _MISSING = {
+    "capabilities": "the sandbox's child could not drop its capabilities: as root it may "
+                    "change any file's owner and mode",
     "landlock": "no Landlock in this kernel (or it is refused here): sandboxed code can read "
                 "and write what this user can, and connect over TCP",
     "seccomp": "no seccomp filter could be installed: native code in the sandbox can start "
@@ -503,6 +559,7 @@ def _run_child(request: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
     request = {
         **request,
         "parent": os.getpid(),
+        "cwd": os.path.realpath(os.getcwd()),
         "cpu_seconds": max(1, math.ceil(limits.cpu_seconds)),  # RLIMIT_CPU counts whole seconds
         "memory_bytes": limits.memory_mb * 1024 * 1024,
         "output_bytes": limits.output_bytes,
@@ -575,15 +632,14 @@ def run_sandboxed_call(target: str, args: list[Any], limits: SandboxLimits) -> S
     but from the parent's working folder only the target's own module or package
     (`_import_roots`).
     """
-    reads, lists = _import_roots(target)
+    reads, top = _import_roots(target)
     return _run({"mode": "call", "target": target, "args": args, "sys_path": _parent_sys_path(),
-                 "read_paths": reads, "list_paths": lists}, limits)
+                 "read_paths": reads, "top": top}, limits)
 
 
 def run_python_snippet(code: str, limits: SandboxLimits) -> SandboxResult:
     """Execute Python source as `__main__` in the sandbox and capture its stdout."""
-    return _run({"mode": "snippet", "code": code, "sys_path": [], "read_paths": [],
-                 "list_paths": []}, limits)
+    return _run({"mode": "snippet", "code": code, "sys_path": [], "read_paths": []}, limits)
 
 
 def sandboxed_verifier(dotted_path: str, limits: SandboxLimits):
