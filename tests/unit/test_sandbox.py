@@ -81,6 +81,11 @@ def system_v_memory():
             remove(ident, 0, None)
     return made
 
+def newer_than_the_filter():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    return [libc.syscall(470), ctypes.get_errno()]
+
 def uses_the_project():
     from shardrl.tasks.sandbox import extract_code
     return float(extract_code("x") == "x")
@@ -617,3 +622,38 @@ def test_what_ordinary_code_needs_still_works(reward_module):
 def test_no_system_v_memory_outlives_the_child(reward_module):
     _needs("seccomp")
     assert run_sandboxed_call(f"{reward_module}:system_v_memory", [], LIMITS).value == [-1] * 3
+
+
+def test_only_the_interpreters_own_ioctls_and_known_calls_pass(reward_module):
+    """A file's flags and attributes (`FS_IOC_SETFLAGS`, `FS_IOC_FSSETXATTR`: a sync flag
+    on a folder of the run) are not the code's: ioctl is an allowlist. System calls newer
+    than the filter are unknown to it and answer ENOSYS."""
+    _needs("seccomp")
+    code = ("import fcntl, os, socket\nprint(os.isatty(0))\nsocket.socketpair()[0].setblocking(False)"
+            "\nfcntl.ioctl(0, 0x80086601, bytes(8))")  # FS_IOC_GETFLAGS
+    result = run_python_snippet(code, LIMITS)
+    assert (result.stdout, result.error) == (
+        "False\n", "crashed: PermissionError: [Errno 1] Operation not permitted")
+    assert run_sandboxed_call(f"{reward_module}:newer_than_the_filter", [], LIMITS).value == [
+        -1, 38]
+
+
+def test_a_working_folder_inside_the_interpreters_is_still_left_out(monkeypatch):
+    """Every grant obeys the rule, the interpreter's own folders too: run from the
+    interpreter's prefix, the child still reads its library below but not the folder."""
+    _needs("landlock")
+    monkeypatch.chdir(sys.base_prefix)
+    code = f"import json, os\nprint(json.dumps(1))\nos.listdir({sys.base_prefix!r})"
+    result = run_python_snippet(code, LIMITS)
+    assert result.stdout == "1\n"
+    assert result.error.startswith("crashed: PermissionError: [Errno 13] Permission denied")
+
+
+def test_a_namespace_package_in_the_working_folder_is_found(tmp_path, monkeypatch):
+    (tmp_path / "verifiers_ns").mkdir()
+    (tmp_path / "verifiers_ns" / "exact.py").write_text(
+        "def score(response, answer):\n    return float(response == answer)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    result = run_sandboxed_call("verifiers_ns.exact:score", ["a", "a"], LIMITS)
+    assert (result.value, result.error) == (1.0, None)

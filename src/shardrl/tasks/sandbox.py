@@ -26,12 +26,15 @@ one is logged once per process):
   another process's memory; no signal to another process (`kill`, by process descriptor, or
   as the owner of a file's I/O), no change to another process's limits, scheduling or
   priority; no change to any file's mode, owner, times or attributes, no truncation by
-  name, no System V or POSIX IPC, no file leases or watches; no io_uring, namespaces, keys,
-  or lifting the death signal set below;
+  name, no ioctl but the interpreter's own (a terminal's settings and size, bytes waiting,
+  blocking, close-on-exec), no System V or POSIX IPC, no file leases, inotify or fanotify
+  watches; no io_uring, namespaces, keys, or lifting the death signal set below; and
+  system calls newer than its table answer ENOSYS;
 - Landlock: of the file system the child reads only the interpreter, the system's
-  libraries, a few harmless files of /etc and the import path, less the scoring process's
-  working folder and any folder above it (in a call, its target's own module or package is
-  read there, from its file), and writes only the call's own folder, where it makes no
+  libraries (/lib, /usr/lib, /usr/local/lib, time zones), a few harmless files of /etc and
+  the import path, less the scoring process's working folder and any folder above it (in a
+  call, its target's own module or package is read there, loaded from its file or
+  folders), and writes only the call's own folder, where it makes no
   device node; the parent's `/proc/<pid>/environ` and the user's home are out of reach.
   From Linux 6.7 no TCP, from 6.12 no signal or abstract socket beyond the child.
 An audit hook inside the interpreter refuses processes, programs and `os.kill` to other
@@ -140,19 +143,21 @@ def _landlock(req, ctypes, libc, abi):
     if rules < 0:
         return False
     try:
-        # the import path, but never the scoring process's working folder nor one above it
-        # (`python -m`, a notebook or a `.pth` may name the project's root, which holds
-        # anything: a call's target there is granted by itself, in `read_paths`)
+        # the interpreter, its import path and the system's libraries, but never the
+        # scoring process's working folder nor one above it (`python -m`, a notebook or a
+        # `.pth` may name the project's root, which holds anything: a call's target there
+        # is granted by itself, in `read_paths`)
         cwd = req["cwd"]
-        entries = {os.path.realpath(p) for p in [*sys.path, *req["read_paths"]] if p}
-        reads = [p for p in entries if p != cwd and not cwd.startswith(p.rstrip("/") + "/")]
-        reads += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr",
-                  "/lib", "/lib64", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
-                  "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/host.conf",
-                  "/etc/mime.types", "/etc/os-release", "/etc/ssl", "/dev/urandom",
-                  "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu",
-                  "/proc/self/stat", "/proc/self/statm", "/proc/self/status", "/proc/self/fd"]
-        grants = [(os.path.realpath(p), read_file | read_dir) for p in sorted(set(reads))] + [
+        reads = {os.path.realpath(p) for p in [
+            *sys.path, *req["read_paths"], sys.prefix, sys.base_prefix, sys.exec_prefix,
+            sys.base_exec_prefix, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib",
+            "/usr/share/zoneinfo", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
+            "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/host.conf",
+            "/etc/mime.types", "/etc/os-release", "/etc/ssl", "/dev/urandom", "/proc/cpuinfo",
+            "/proc/meminfo", "/sys/devices/system/cpu", "/proc/self/stat", "/proc/self/statm",
+            "/proc/self/status", "/proc/self/fd"] if p}
+        grants = [(p, read_file | read_dir) for p in sorted(reads)
+                  if p != cwd and not cwd.startswith(p.rstrip("/") + "/")] + [
             ("/dev/null", read_file | write_file | truncate), (os.getcwd(), every & ~devices)]
         for path, access in grants:
             try:
@@ -197,7 +202,8 @@ def _seccomp(req, ctypes, libc):
             shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65, semctl=66,
             semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240,
             mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
-            mq_getsetattr=245, inotify_add_watch=254, fanotify_init=300, fanotify_mark=301)),
+            mq_getsetattr=245, inotify_add_watch=254, fanotify_init=300, fanotify_mark=301,
+            file_setattr=469)),
         "aarch64": (0xC00000B7, dict(
             clone=220, clone3=435, kill=129, tgkill=131, prlimit64=261, sched_setparam=118,
             sched_setscheduler=119, sched_setaffinity=122, sched_setattr=274, fcntl=25,
@@ -215,7 +221,8 @@ def _seccomp(req, ctypes, libc):
             mq_open=180, mq_unlink=181, mq_timedsend=182, mq_timedreceive=183,
             mq_notify=184, mq_getsetattr=185, msgget=186, msgctl=187, msgrcv=188, msgsnd=189,
             semget=190, semctl=191, semtimedop=192, semop=193, shmget=194, shmctl=195,
-            shmat=196, shmdt=197, inotify_add_watch=27, fanotify_init=262, fanotify_mark=263)),
+            shmat=196, shmdt=197, inotify_add_watch=27, fanotify_init=262, fanotify_mark=263,
+            file_setattr=469)),
     }.get(os.uname().machine, (None, None))
     if arch is None:
         return False
@@ -252,7 +259,9 @@ def _seccomp(req, ctypes, libc):
         prog += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
     for name in sorted(set(nr) - special):
         prog += [(jeq, 0, 1, nr[name]), (ret, 0, 0, eperm)]
-    prog += [(jeq, 0, 1, nr["clone3"]), (ret, 0, 0, enosys)]  # the C library falls back to clone
+    prog += [(jeq, 0, 1, nr["clone3"]), (ret, 0, 0, enosys),  # the C library falls back to clone
+             # calls newer than this table (from 470 on): unknown, so not there
+             (0x35, 0, 1, 470), (ret, 0, 0, enosys)]
     # each block returns once its syscall matched, and leaves the number loaded otherwise
     blocks = [
         only("kill", 0, [own, -own, 0]),  # this process, its own group (its session's), or 0
@@ -267,7 +276,9 @@ def _seccomp(req, ctypes, libc):
         # F_SETOWN(_EX): a signal to another process on I/O; F_SETLEASE: other processes'
         # opens of the file held up
         never("fcntl", 1, [8, 15, 1024]),
-        never("ioctl", 1, [0x8901, 0x8902]),  # FIOSETOWN, SIOCSPGRP: as F_SETOWN
+        # ioctl: what the interpreter asks of a file (a terminal's settings and size, bytes
+        # waiting, blocking, close-on-exec), never a file's flags or attributes
+        only("ioctl", 1, [0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451]),
         # PR_SET_PDEATHSIG: it dies with its parent; PR_SCHED_CORE: other processes' cores
         never("prctl", 0, [1, 62]),
         # clone: a thread (CLONE_THREAD) in no new namespace, never a process
@@ -348,14 +359,20 @@ def _main(req, fd):
             value = None
         else:
             import importlib
+            import importlib.machinery
             import importlib.util
             module, _, attr = req["target"].partition(":")
             if req["top"]:  # from its file: its folder need not be listed
                 name, origin, folders = req["top"]
-                spec = importlib.util.spec_from_file_location(
-                    name, origin, submodule_search_locations=folders)
+                if origin is None:  # a namespace package: its folders are its path
+                    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+                    spec.submodule_search_locations = folders
+                else:
+                    spec = importlib.util.spec_from_file_location(
+                        name, origin, submodule_search_locations=folders)
                 sys.modules[name] = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(sys.modules[name])
+                if spec.loader is not None:
+                    spec.loader.exec_module(sys.modules[name])
             fn = importlib.import_module(module)
             for part in attr.split("."):
                 fn = getattr(fn, part)
@@ -432,10 +449,11 @@ def _import_roots(target: str) -> tuple[list[str], list | None]:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         spec = None
-    if spec is None or not spec.origin or not os.path.isabs(spec.origin):
-        return reads, None  # not found (the child says so), built in, or a namespace
-    folders = list(spec.submodule_search_locations or []) or None
-    return reads + (folders or [spec.origin]), [name, spec.origin, folders]
+    folders = list(spec.submodule_search_locations or []) or None if spec else None
+    if spec is None or not (folders or spec.origin and os.path.isabs(spec.origin)):
+        return reads, None  # not found (the child says so), or built in
+    origin = spec.origin if spec.origin and os.path.isabs(spec.origin) else None  # namespace
+    return reads + (folders or [origin]), [name, origin, folders]
 
 
 WALLS = ("capabilities", "landlock", "seccomp")
