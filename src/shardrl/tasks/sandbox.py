@@ -149,7 +149,7 @@ def _landlock(req, ctypes, libc, abi):
         # is granted by itself, in `read_paths`)
         cwd = req["cwd"]
         reads = {os.path.realpath(p) for p in [
-            *sys.path, *req["read_paths"], sys.prefix, sys.base_prefix, sys.exec_prefix,
+            *sys.path, *req["sys_path"], *req["read_paths"], sys.prefix, sys.base_prefix, sys.exec_prefix,
             sys.base_exec_prefix, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib",
             "/usr/share/zoneinfo", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
             "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/host.conf",
@@ -235,23 +235,23 @@ def _seccomp(req, ctypes, libc):
     def arg(i):  # the low 32 bits of argument i (little-endian)
         return (ld, 0, 0, 16 + 8 * i)
 
-    def only(name, i, values):  # allowed when argument i is one of `values`
+    def pick(values, hit, miss):  # with an argument loaded: `hit` if one of `values`
         n = len(values)
-        return [(jeq, 0, n + 3, nr[name]), arg(i), *[(jeq, n - k, 0, v & 0xFFFFFFFF)
-                for k, v in enumerate(values)], (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+        return [*[(jeq, n - k, 0, v & 0xFFFFFFFF) for k, v in enumerate(values)],
+                (ret, 0, 0, miss), (ret, 0, 0, hit)]
+
+    def when(name, body):  # `body` for this call; past it, with the number still loaded
+        return [(jeq, 0, len(body), nr[name]), *body]
+
+    def only(name, i, values):  # allowed when argument i is one of `values`
+        return when(name, [arg(i), *pick(values, allow, eperm)])
 
     def never(name, i, values):  # refused when argument i is one of `values`
-        n = len(values)
-        return [(jeq, 0, n + 3, nr[name]), arg(i), *[(jeq, n - k, 0, v & 0xFFFFFFFF)
-                for k, v in enumerate(values)], (ret, 0, 0, allow), (ret, 0, 0, eperm)]
+        return when(name, [arg(i), *pick(values, eperm, allow)])
 
     def both(name, i, first, j, values, mask=None):  # argument i is `first`, j one of `values`
-        n = len(values)
-        tail = [*([(0x54, 0, 0, mask)] if mask else []),  # j & mask
-                *[(jeq, n - k, 0, v & 0xFFFFFFFF) for k, v in enumerate(values)],
-                (ret, 0, 0, eperm), (ret, 0, 0, allow)]
-        return [(jeq, 0, 3 + len(tail), nr[name]), arg(i), (jeq, 0, len(tail) - 1, first),
-                arg(j), *tail]
+        tail = [*([(0x54, 0, 0, mask)] if mask else []), *pick(values, allow, eperm)]  # j & mask
+        return when(name, [arg(i), (jeq, 0, len(tail) - 1, first), arg(j), *tail])
 
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),  # another ABI: killed
             (ld, 0, 0, 0)]
@@ -282,8 +282,8 @@ def _seccomp(req, ctypes, libc):
         # PR_SET_PDEATHSIG: it dies with its parent; PR_SCHED_CORE: other processes' cores
         never("prctl", 0, [1, 62]),
         # clone: a thread (CLONE_THREAD) in no new namespace, never a process
-        [(jeq, 0, 5, nr["clone"]), arg(0), (jset, 1, 0, 0x7E020080), (jset, 1, 0, 0x10000),
-         (ret, 0, 0, eperm), (ret, 0, 0, allow)],
+        when("clone", [arg(0), (jset, 1, 0, 0x7E020080), (jset, 1, 0, 0x10000),
+                       (ret, 0, 0, eperm), (ret, 0, 0, allow)]),
     ]
     for block in blocks:
         prog += block
@@ -411,7 +411,8 @@ class SandboxResult:
     stdout: str = ""
     error: str | None = None
     walls: tuple[str, ...] = ()
-    """The kernel's limits the child applied ("landlock", "seccomp"), when it reported them."""
+    """The limits the kernel holds the child to (`WALLS`: "capabilities", "landlock",
+    "seccomp") that it applied, when it reported them."""
 
 
 class SandboxError(RuntimeError):
@@ -433,13 +434,13 @@ def _parent_sys_path() -> list[str]:
 
 
 def _import_roots(target: str) -> tuple[list[str], list | None]:
-    """(what a sandboxed call may read besides the interpreter, how to load its target's
-    top-level module): the parent's import path (the child leaves out its working folder
-    and any folder above it), the packages installed in editable mode, and the target's own
-    module or package, which the child loads from its file (`[name, file, package folders
-    or None]`), so that nothing else of the folder it lies in need be readable or listed.
-    Found without importing the target."""
-    reads = _parent_sys_path()
+    """(what a sandboxed call may read besides the interpreter and the import path, how to
+    load its target's top-level module): the packages installed in editable mode, and the
+    target's own module or package, which the child loads from its file (`[name, file,
+    package folders or None]`), so that nothing else of the folder it lies in need be
+    readable or listed (the child leaves the parent's working folder out of its import
+    path's grants). Found without importing the target."""
+    reads: list[str] = []
     for finder in sys.meta_path:  # setuptools' editable installs: package name -> folder
         mapping = getattr(sys.modules.get(getattr(finder, "__module__", "")), "MAPPING", None)
         if isinstance(mapping, dict):
